@@ -1,0 +1,61 @@
+"""Every Redis key wsinfer uses, in one place.
+
+Per-session keys carry the session id as a hash tag (``{sid}``) so that, on a
+Redis Cluster, all of a session's keys live in one slot and the Lua scripts in
+``scripts.py`` may touch them together. Global keys (the work queue, engine
+registry, per-process control and wake-up streams) have no session in them.
+"""
+
+from __future__ import annotations
+
+PREFIX = "wsinfer"
+
+# The work queue every engine reads through one consumer group.
+REQUESTS = f"{PREFIX}:requests"
+ENGINE_GROUP = "engines"
+REQUESTS_MAXLEN = 100_000
+# Sorted set: engine id -> last heartbeat (unix seconds).
+ENGINES = f"{PREFIX}:engines"
+
+
+def meta(session: str) -> str:
+    """Hash: owner token hash, status, turn, seq, engine, lease epoch, KV handle."""
+    return f"{PREFIX}:{{{session}}}:meta"
+
+
+def conversation(session: str) -> str:
+    """List of msgpack {role, content} messages (chat sessions)."""
+    return f"{PREFIX}:{{{session}}}:conv"
+
+
+def turn_input(session: str, turn: int) -> str:
+    """Hash: the turn's input (new messages or prompt text) and params."""
+    return f"{PREFIX}:{{{session}}}:t:{turn}:in"
+
+
+def turn_prompt(session: str, turn: int) -> str:
+    """String: msgpack list of the turn's prompt token ids (the token log's prefix)."""
+    return f"{PREFIX}:{{{session}}}:t:{turn}:prompt"
+
+
+def turn_stream(session: str, turn: int) -> str:
+    """Stream of the turn's events (delta/paused/done): the token log's tail."""
+    return f"{PREFIX}:{{{session}}}:t:{turn}:events"
+
+
+def engine_requests(engine_id: str) -> str:
+    """Work routed to one engine because it holds the session's KV cache."""
+    return f"{PREFIX}:engine:{engine_id}:requests"
+
+
+def frontend_wake(frontend_id: str) -> str:
+    """Stream a frontend adds to so its own blocking fan-in XREAD returns early."""
+    return f"{PREFIX}:frontend:{frontend_id}:wake"
+
+
+def session_keys(session: str, turns: int) -> list[str]:
+    """Every key one session owns, for TTL refresh and deletion."""
+    keys = [meta(session), conversation(session)]
+    for turn in range(1, turns + 1):
+        keys += [turn_input(session, turn), turn_prompt(session, turn), turn_stream(session, turn)]
+    return keys

@@ -1,0 +1,302 @@
+"""The engine's view of session state in Redis (synchronous: the engine loop is).
+
+Taking work from the requests stream, claiming turns under a lease, reading
+the token log to rebuild a turn, publishing each step's events fenced by the
+claim's epoch, and polling the control flags of the turns it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import redis
+
+from wsinfer.sessions import keys, scripts
+from wsinfer.sessions.schema import (
+    DeltaEvent,
+    DoneEvent,
+    PausedEvent,
+    TurnEvent,
+    TurnRequest,
+    as_str,
+    decode_event,
+    decode_request,
+    encode,
+)
+from wsinfer.sessions.states import Action, allowed_from, target
+from wsinfer.sessions.store import DEFAULT_SESSION_TTL_S, TurnInput
+
+
+def _csv(statuses: list[Any]) -> str:
+    return ",".join(s.value for s in statuses)
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    stream: str
+    entry_id: str
+    request: TurnRequest
+
+
+@dataclass(frozen=True)
+class ClaimedTurn:
+    session: str
+    turn: int
+    epoch: int
+    control: str
+    meta: dict[str, str]
+
+
+@dataclass
+class TurnHistory:
+    """Everything needed to rebuild a turn's context from the token log."""
+
+    current: TurnInput
+    # Earlier turns of a chat session: (their new messages, the assistant's text).
+    chat_turns: list[tuple[list[dict[str, str]], str]] = field(default_factory=list)
+    # Text sessions: the previous turn's prompt ids + generated ids.
+    previous_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Publish:
+    """One step's events for one turn."""
+
+    session: str
+    turn: int
+    epoch: int
+    seq: int
+    events: list[TurnEvent]
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final_action(self) -> Action | None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, DoneEvent):
+            return Action.FINISH
+        if isinstance(last, PausedEvent):
+            return Action.ENGINE_PAUSE
+        return None
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    outcome: str  # ok | fenced | not_found | illegal
+    control: str = ""
+    seen_at: float = 0.0
+
+
+class WorkerStore:
+    def __init__(
+        self, client: redis.Redis, engine_id: str, *, ttl_s: int = DEFAULT_SESSION_TTL_S
+    ) -> None:
+        self.redis = client
+        self.engine_id = engine_id
+        self.ttl_s = ttl_s
+        self._claim = client.register_script(scripts.CLAIM)
+        self._publish = client.register_script(scripts.PUBLISH)
+
+    # --- the work queue -------------------------------------------------
+    #
+    # Work arrives on the shared queue, or on this engine's own queue when a
+    # frontend routes a turn to the engine holding its KV cache. Both are read
+    # through the same consumer group; a dead engine's own queue is drained by
+    # the others, so routing never strands a turn.
+
+    @property
+    def own_queue(self) -> str:
+        return keys.engine_requests(self.engine_id)
+
+    def ensure_group(self) -> None:
+        for stream in (keys.REQUESTS, self.own_queue):
+            try:
+                self.redis.xgroup_create(stream, keys.ENGINE_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def heartbeat(self) -> None:
+        self.redis.zadd(keys.ENGINES, {self.engine_id: time.time()})
+
+    def deregister(self) -> None:
+        """Mark this engine dead at once; the others drain its own queue."""
+        self.redis.zadd(keys.ENGINES, {self.engine_id: 0})
+
+    def read_work(self, count: int, block_ms: int | None) -> list[WorkItem]:
+        streams = {self.own_queue: ">", keys.REQUESTS: ">"}  # our own (cache hits) first
+        return self._read_group(streams, count, block_ms)
+
+    def _read_group(
+        self, streams: dict[Any, Any], count: int, block_ms: int | None
+    ) -> list[WorkItem]:
+        reply: Any = self.redis.xreadgroup(
+            keys.ENGINE_GROUP, self.engine_id, streams, count=count, block=block_ms
+        )
+        return [
+            self._item(as_str(stream), entry)
+            for stream, entries in reply or []
+            for entry in entries
+        ]
+
+    def take_over_expired(self, min_idle_ms: int, count: int) -> list[WorkItem]:
+        """Work whose engine stopped renewing its lease (crashed or hung)."""
+        items = self._autoclaim(keys.REQUESTS, min_idle_ms, count)
+        for dead in self._dead_engines(min_idle_ms / 1000):
+            queue = keys.engine_requests(dead)
+            taken = self._autoclaim(queue, 0, count)  # all of a dead engine's work
+            if self.redis.exists(queue):
+                taken += self._read_group({queue: ">"}, count, None)
+            if not taken:  # drained: forget it (its queue expires with the sessions)
+                self.redis.zrem(keys.ENGINES, dead)
+                self.redis.expire(queue, self.ttl_s)
+            items += taken
+        return items
+
+    def _dead_engines(self, silent_s: float) -> list[str]:
+        names = self.redis.zrangebyscore(keys.ENGINES, "-inf", time.time() - silent_s)
+        return [name for name in map(as_str, names) if name != self.engine_id]
+
+    def _autoclaim(self, stream: str, min_idle_ms: int, count: int) -> list[WorkItem]:
+        try:
+            reply = self.redis.xautoclaim(
+                stream, keys.ENGINE_GROUP, self.engine_id, min_idle_ms, "0-0", count=count
+            )
+        except redis.ResponseError:  # no such stream or group: nothing to take
+            return []
+        return [self._item(stream, entry) for entry in reply[1] if entry and entry[1]]
+
+    def renew_leases(self, items: list[WorkItem]) -> None:
+        """Reset the idle time of our pending work so nobody takes it over."""
+        by_stream: dict[str, list[Any]] = {}
+        for item in items:
+            by_stream.setdefault(item.stream, []).append(item.entry_id)
+        for stream, ids in by_stream.items():
+            self.redis.xclaim(stream, keys.ENGINE_GROUP, self.engine_id, 0, ids, justid=True)
+
+    def ack(self, item: WorkItem) -> None:
+        self.redis.xack(item.stream, keys.ENGINE_GROUP, item.entry_id)
+
+    @staticmethod
+    def _item(stream: str, entry: Any) -> WorkItem:
+        entry_id, fields = entry
+        return WorkItem(stream, as_str(entry_id), decode_request(fields))
+
+    # --- claiming and rebuilding a turn -----------------------------------
+
+    def claim(self, request: TurnRequest, *, takeover: bool) -> ClaimedTurn | None:
+        """Take the turn; None if it is no longer ours to run (skip and ack)."""
+        statuses = allowed_from(Action.CLAIM) if takeover else [allowed_from(Action.CLAIM)[0]]
+        reply = self._claim(
+            keys=[keys.meta(request.session)],
+            args=[
+                self.engine_id,
+                request.turn,
+                int(time.time()),
+                _csv(statuses),
+                target(Action.CLAIM).value,
+            ],
+        )
+        flat = [as_str(v) for v in reply]
+        if flat[0] != "ok":
+            return None
+        meta = dict(zip(flat[1::2], flat[2::2], strict=True))
+        return ClaimedTurn(
+            request.session, request.turn, int(meta["epoch"]), meta.get("control", ""), meta
+        )
+
+    def load_history(self, session: str, turn: int) -> TurnHistory:
+        current = self._turn_input(session, turn)
+        history = TurnHistory(current=current)
+        if turn == 1:
+            return history
+        if current.mode == "text":
+            history.previous_ids = self.load_prompt(session, turn - 1) or []
+            history.previous_ids += self.read_generated(session, turn - 1)[0]
+            return history
+        for earlier in range(1, turn):
+            past = self._turn_input(session, earlier)
+            events = self._events(session, earlier)
+            text = "".join(e.text for e in events if isinstance(e, DeltaEvent))
+            history.chat_turns.append((past.messages or [], text))
+        return history
+
+    def _turn_input(self, session: str, turn: int) -> TurnInput:
+        raw = self.redis.get(keys.turn_input(session, turn))
+        if raw is None:
+            raise LookupError(f"turn {turn} of session {session} has no input")
+        return TurnInput.unpack(raw if isinstance(raw, bytes) else raw.encode())
+
+    def load_prompt(self, session: str, turn: int) -> list[int] | None:
+        raw = self.redis.get(keys.turn_prompt(session, turn))
+        return None if raw is None else list(msgpack.unpackb(raw))
+
+    def save_prompt(self, session: str, turn: int, prompt_ids: list[int]) -> None:
+        packed = msgpack.packb(prompt_ids)
+        self.redis.set(keys.turn_prompt(session, turn), packed, ex=self.ttl_s)
+
+    def read_generated(self, session: str, turn: int) -> tuple[list[int], int]:
+        """The turn's published tokens and its last seq: where a rebuild continues."""
+        ids: list[int] = []
+        seq = 0
+        for event in self._events(session, turn):
+            if isinstance(event, DeltaEvent):
+                ids.extend(event.tokens)
+                seq = event.seq
+        return ids, seq
+
+    def _events(self, session: str, turn: int) -> list[TurnEvent]:
+        entries = self.redis.xrange(keys.turn_stream(session, turn)) or []
+        return [decode_event(fields) for _, fields in entries]
+
+    # --- per step ------------------------------------------------------------
+
+    def publish_many(self, publishes: list[Publish]) -> list[PublishResult]:
+        """One round trip for a whole step's events, each fenced by its epoch."""
+        pipe = self.redis.pipeline(transaction=False)
+        for item in publishes:
+            self._publish(
+                keys=[keys.meta(item.session), keys.turn_stream(item.session, item.turn)],
+                args=self._publish_args(item),
+                client=pipe,
+            )
+        replies = pipe.execute(raise_on_error=False)
+        return [self._publish_result(reply) for reply in replies]
+
+    def _publish_args(self, item: Publish) -> list[Any]:
+        final = item.final_action
+        args: list[Any] = [
+            self.engine_id,
+            item.epoch,
+            self.ttl_s,
+            item.seq,
+            _csv(allowed_from(final)) if final else "",
+            target(final).value if final else "",
+            len(item.events),
+        ]
+        args += [encode(event)["m"] for event in item.events]
+        for name, value in item.fields.items():
+            args += [name, value]
+        return args
+
+    @staticmethod
+    def _publish_result(reply: Any) -> PublishResult:
+        if isinstance(reply, Exception):
+            raise reply
+        flat = [as_str(v) for v in reply]
+        if flat[0] != "ok":
+            return PublishResult(flat[0])
+        return PublishResult("ok", flat[1], float(flat[2] or 0))
+
+    def poll(self, sessions: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[str, float]]:
+        """Control flag and last-watched time of each turn; missing = session gone."""
+        pipe = self.redis.pipeline(transaction=False)
+        for session, _ in sessions:
+            pipe.hmget(keys.meta(session), ["turn", "control", "seen_at"])
+        out: dict[tuple[str, int], tuple[str, float]] = {}
+        for key, (turn, control, seen_at) in zip(sessions, pipe.execute(), strict=True):
+            if turn is not None and int(turn) == key[1]:
+                out[key] = (as_str(control or ""), float(seen_at or 0))
+        return out
