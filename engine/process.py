@@ -1,0 +1,331 @@
+"""The engine process: owns all I/O around an ``EngineCore``.
+
+One loop, one thread: take turns from the Redis work queue, claim them, add
+them to the core, step it, publish every step's events in one pipeline, and
+act on stop/pause flags and idle sessions between steps. A turn whose engine
+dies is taken over by another engine once its lease (the pending entry's idle
+time in the consumer group) expires; the new engine rebuilds the turn from the
+token log, so the client sees no gap and no duplicate.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import structlog
+
+from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest, RequestOutput
+from wsinfer.engine.model import LoadedModel, load_model
+from wsinfer.engine.prompts import render_chat, render_text
+from wsinfer.sessions.schema import DeltaEvent, DoneEvent, PausedEvent, TurnEvent, Usage
+from wsinfer.sessions.worker import ClaimedTurn, Publish, TurnHistory, WorkerStore, WorkItem
+
+log = structlog.get_logger("wsinfer.engine")
+
+
+@dataclass
+class ProcessConfig:
+    engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:8]}")
+    max_batch_size: int = 16
+    lease_ms: int = 10_000  # a turn whose engine is silent this long is taken over
+    heartbeat_s: float = 1.0
+    idle_pause_s: float = 60.0  # pause a turn nobody has watched for this long
+    poll_interval_s: float = 0.05
+    idle_block_ms: int = 1000
+    drain: bool = False  # exit once there is no more work (tests, batch jobs)
+    exit_with_parent: bool = False
+
+
+@dataclass
+class ActiveTurn:
+    session: str
+    turn: int
+    epoch: int
+    work: WorkItem
+    prompt_tokens: int
+    seq: int = 0
+    announced: bool = False  # prompt_tokens recorded in the session meta
+
+
+class EngineProcess:
+    def __init__(
+        self, core: EngineCore, loaded: LoadedModel, store: WorkerStore, config: ProcessConfig
+    ) -> None:
+        self.core = core
+        self.loaded = loaded
+        self.store = store
+        self.config = config
+        self.active: dict[str, ActiveTurn] = {}
+        self.discard: set[str] = set()  # aborted because the turn is no longer ours
+        self._stopping = False
+        self._parent = os.getppid()
+        self._next_heartbeat = 0.0
+        self._next_takeover = 0.0
+        self._next_poll = 0.0
+
+    # --- lifecycle --------------------------------------------------------------
+
+    def run(self) -> None:
+        self.store.ensure_group()
+        signal.signal(signal.SIGTERM, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop)
+        log.info("engine ready", engine=self.config.engine_id, model=self.loaded.name)
+        try:
+            while not self._stopping:
+                if self._iteration() is False:
+                    break
+        finally:
+            # Unfinished turns are not acked: their leases expire and another
+            # engine takes them over from the token log.
+            try:
+                self.store.deregister()
+            except redis.RedisError:  # Redis went first; our heartbeat will just age out
+                log.warning("could not deregister", engine=self.config.engine_id)
+            log.info("engine stopped", engine=self.config.engine_id, left=len(self.active))
+
+    def _request_stop(self, *_: Any) -> None:
+        self._stopping = True
+
+    def _iteration(self) -> bool:
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self._heartbeat(now)
+        if now >= self._next_takeover:
+            self._next_takeover = now + self.config.lease_ms / 2000
+            self._admit(self.store.take_over_expired(self.config.lease_ms, self._capacity()), True)
+        busy = self.core.has_unfinished()
+        block = None if busy else self.config.idle_block_ms
+        if self._capacity() > 0:
+            self._admit(self.store.read_work(self._capacity(), block), False)
+        if self.core.has_unfinished():
+            self._poll_controls()
+            self._step()
+        return not (self.config.drain and not busy and not self.core.has_unfinished())
+
+    def _heartbeat(self, now: float) -> None:
+        self._next_heartbeat = now + self.config.heartbeat_s
+        self.store.heartbeat()
+        self.store.renew_leases([turn.work for turn in self.active.values()])
+        if self.config.exit_with_parent and os.getppid() != self._parent:
+            log.warning("parent process gone; exiting")
+            self._stopping = True
+
+    def _capacity(self) -> int:
+        return max(0, self.config.max_batch_size - len(self.active))
+
+    # --- taking work -------------------------------------------------------------
+
+    def _admit(self, items: list[WorkItem], takeover: bool) -> None:
+        for item in items:
+            claimed = self.store.claim(item.request, takeover=takeover)
+            if claimed is None:
+                self.store.ack(item)  # stale or duplicate: nothing to run
+                continue
+            try:
+                self._start(item, claimed)
+            except Exception as exc:  # a broken turn must not take the engine down
+                log.exception("cannot start turn", session=claimed.session, turn=claimed.turn)
+                self._fail(item, claimed, exc)
+
+    def _start(self, item: WorkItem, claimed: ClaimedTurn) -> None:
+        session, turn = claimed.session, claimed.turn
+        history = self.store.load_history(session, turn)
+        prompt_ids = self.store.load_prompt(session, turn)
+        if prompt_ids is None:
+            prompt_ids = self._render(history)
+            self.store.save_prompt(session, turn, prompt_ids)
+        generated, seq = self.store.read_generated(session, turn)
+        request_id = f"{session}:{turn}"
+        self.active[request_id] = ActiveTurn(
+            session, turn, claimed.epoch, item, len(prompt_ids), seq
+        )
+        self.core.add(
+            EngineRequest(
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                params=history.current.params,
+                generated_ids=generated,
+                cache_key=session,
+            )
+        )
+        if claimed.control in ("stop", "pause"):
+            self.core.abort(request_id, pause=claimed.control == "pause")
+        log.info(
+            "turn started",
+            session=session,
+            turn=turn,
+            resumed_at=seq,
+            prompt_tokens=len(prompt_ids),
+            takeover=claimed.epoch > 1,
+        )
+
+    def _render(self, history: TurnHistory) -> list[int]:
+        tokenizer = self.loaded.tokenizer
+        current = history.current
+        if current.mode == "text":
+            return render_text(tokenizer, current.prompt or "", history.previous_ids)
+        messages: list[dict[str, str]] = []
+        for said, answer in history.chat_turns:
+            messages += said + [{"role": "assistant", "content": answer}]
+        return render_chat(tokenizer, messages + (current.messages or []))
+
+    def _fail(self, item: WorkItem, claimed: ClaimedTurn, exc: Exception) -> None:
+        seq = int(claimed.meta.get("seq", 0))
+        done = DoneEvent(
+            seq,
+            "error",
+            Usage(completion_tokens=seq),
+            {"code": "internal", "message": f"engine could not start the turn: {exc}"},
+        )
+        self.store.publish_many(
+            [Publish(claimed.session, claimed.turn, claimed.epoch, seq, [done])]
+        )
+        self.store.ack(item)
+        self.active.pop(f"{claimed.session}:{claimed.turn}", None)
+
+    # --- between steps -------------------------------------------------------------
+
+    def _poll_controls(self) -> None:
+        now = time.monotonic()
+        if now < self._next_poll or not self.active:
+            return
+        self._next_poll = now + self.config.poll_interval_s
+        turns = {
+            (t.session, t.turn): rid for rid, t in self.active.items() if rid not in self.discard
+        }
+        states = self.store.poll(list(turns))
+        wall = time.time()
+        for key, request_id in turns.items():
+            if key not in states:  # session closed or replaced: drop it and its cache
+                self._drop(request_id, forget_cache=True)
+                continue
+            control, seen_at = states[key]
+            if control in ("stop", "pause"):
+                self.core.abort(request_id, pause=control == "pause")
+            elif wall - seen_at > self.config.idle_pause_s:
+                log.info("pausing idle turn", session=key[0], turn=key[1])
+                self.core.abort(request_id, pause=True)
+
+    def _drop(self, request_id: str, *, forget_cache: bool = False, ack: bool = True) -> None:
+        self.discard.add(request_id)
+        self.core.abort(request_id)
+        turn = self.active[request_id]
+        if ack:  # never after a takeover: the entry now belongs to the new engine
+            self.store.ack(turn.work)
+        if forget_cache:
+            self.core.drop_cache(turn.session)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:
+            # A fault in the model must end its turns with an error the client
+            # sees, not hang them: fail everything running and carry on.
+            log.exception("engine step failed", active=len(self.active))
+            outputs = [self._crashed_output(rid, exc) for rid in list(self.active)]
+            for request_id in list(self.active):
+                self.core.abort(request_id)
+            self.core.step()  # flush the aborts
+        self._publish(outputs)
+
+    def _crashed_output(self, request_id: str, exc: Exception) -> RequestOutput:
+        turn = self.active[request_id]
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            text="",
+            num_generated=turn.seq,
+            finished=True,
+            finish_reason="error",
+            error=f"engine fault: {exc}",
+        )
+
+    # --- publishing ------------------------------------------------------------------
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        publishes: list[tuple[str, Publish]] = []
+        for out in outputs:
+            if out.request_id in self.discard:
+                self._forget(out.request_id)
+                continue
+            turn = self.active.get(out.request_id)
+            if turn is not None:
+                publishes.append((out.request_id, self._to_publish(turn, out)))
+        if not publishes:
+            return
+        results = self.store.publish_many([p for _, p in publishes])
+        for (request_id, item), result in zip(publishes, results, strict=True):
+            self._after_publish(request_id, item, result.outcome)
+
+    def _to_publish(self, turn: ActiveTurn, out: RequestOutput) -> Publish:
+        events: list[TurnEvent] = []
+        if out.new_token_ids or out.text:
+            events.append(DeltaEvent(out.num_generated, out.text, list(out.new_token_ids)))
+        fields: dict[str, Any] = {}
+        if not turn.announced:
+            fields["prompt_tokens"] = turn.prompt_tokens
+        if out.finished or out.paused:
+            events.append(_final_event(out))
+            fields["kv_engine"] = self.config.engine_id if out.kv_len else ""
+            fields["kv_len"] = out.kv_len or 0
+        turn.seq = out.num_generated
+        return Publish(turn.session, turn.turn, turn.epoch, out.num_generated, events, fields)
+
+    def _after_publish(self, request_id: str, item: Publish, outcome: str) -> None:
+        turn = self.active[request_id]
+        turn.announced = True
+        if outcome != "ok":
+            # fenced (taken over), not_found (closed) or illegal: stop running it.
+            log.warning("turn lost", session=turn.session, turn=turn.turn, outcome=outcome)
+            if item.final_action is None:
+                gone = outcome == "not_found"
+                self._drop(request_id, forget_cache=gone, ack=outcome != "fenced")
+            else:
+                self._forget(request_id)
+            return
+        if item.final_action is not None:
+            self.store.ack(turn.work)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self.active.pop(request_id, None)
+        self.discard.discard(request_id)
+
+
+def _final_event(out: RequestOutput) -> TurnEvent:
+    if out.paused:
+        return PausedEvent(out.num_generated)
+    usage = out.usage or Usage(completion_tokens=out.num_generated)
+    error = None
+    if out.finish_reason == "error":
+        message = out.error or "generation failed"
+        code = "too_large" if "too long" in message or "context" in message else "internal"
+        error = {"code": code, "message": message}
+    return DoneEvent(out.num_generated, out.finish_reason or "stop", usage, error)
+
+
+def run_engine(
+    redis_url: str,
+    model_spec: str | None,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    config: ProcessConfig | None = None,
+    core_config: EngineConfig | None = None,
+) -> None:
+    """Load the model, then serve turns from Redis until stopped."""
+    config = config or ProcessConfig()
+    log.info("loading model", model=model_spec or "default", device=device, dtype=dtype)
+    started = time.monotonic()
+    loaded = load_model(model_spec, device=device, dtype=dtype)
+    log.info("model loaded", model=loaded.name, seconds=round(time.monotonic() - started, 1))
+    core_config = core_config or EngineConfig(max_batch_size=config.max_batch_size)
+    client = redis.Redis.from_url(redis_url)
+    store = WorkerStore(client, config.engine_id)
+    EngineProcess(EngineCore(loaded, core_config), loaded, store, config).run()

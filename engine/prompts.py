@@ -1,0 +1,40 @@
+"""Turn chat messages or raw text into prompt token ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The whole conversation through the chat template, ready for the assistant's reply."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    # Some tokenizer versions still hand back an encoding despite return_dict=False.
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def render_text(tokenizer: Any, prompt: str, history_ids: list[int]) -> list[int]:
+    """Raw completion mode: the history followed by the prompt's tokens.
+
+    The BOS token only opens a conversation; a continuation must not repeat it.
+    """
+    ids = [int(i) for i in tokenizer.encode(prompt, add_special_tokens=False)]
+    if history_ids:
+        return list(history_ids) + ids
+    if _wants_bos(tokenizer) and not (ids and ids[0] == tokenizer.bos_token_id):
+        ids.insert(0, int(tokenizer.bos_token_id))
+    return ids
+
+
+def _wants_bos(tokenizer: Any) -> bool:
+    if tokenizer.bos_token_id is None:
+        return False
+    flag = getattr(tokenizer, "add_bos_token", None)
+    if flag is not None:
+        return bool(flag)
+    # Fall back to what the tokenizer's own post-processor does with special tokens.
+    probe = tokenizer.encode("a", add_special_tokens=True)
+    return bool(probe) and probe[0] == tokenizer.bos_token_id
