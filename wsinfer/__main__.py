@@ -1,0 +1,5 @@
+import sys
+
+from wsinfer.cli import main
+
+sys.exit(main())

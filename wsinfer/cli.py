@@ -1,0 +1,199 @@
+"""The ``wsinfer`` command: serve, frontend, engine, chat.
+
+Every flag also reads an environment variable (``WSINFER_<FLAG>``), so the
+same settings work from a shell, a unit file or a container.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+from typing import Any
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get(f"WSINFER_{name}", default)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format", choices=["console", "json"], default=_env("LOG_FORMAT", "console")
+    )
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+
+
+def _add_frontend(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(_env("PORT", 8000)))
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        default=[k for k in _env("API_KEYS", "").split(",") if k],
+        help="accept this API key (repeatable; env WSINFER_API_KEYS=a,b)",
+    )
+    parser.add_argument(
+        "--session-ttl",
+        type=int,
+        default=int(_env("SESSION_TTL", 3600)),
+        help="seconds a session lives after its last activity",
+    )
+    parser.add_argument("--max-queued-turns", type=int, default=int(_env("MAX_QUEUED_TURNS", 256)))
+
+
+def _add_engine(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=_env("MODEL"),
+        help="local transformers dir or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda, cuda:N, auto")
+    parser.add_argument(
+        "--dtype", default=_env("DTYPE", "float32"), choices=["float32", "bfloat16", "float16"]
+    )
+    parser.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", 16)))
+    parser.add_argument(
+        "--idle-pause",
+        type=float,
+        default=float(_env("IDLE_PAUSE", 60)),
+        help="pause a turn no client has watched for this many seconds",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=int(_env("THREADS", 0)),
+        help="CPU threads for torch (default: torch's choice; set it on shared hosts)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wsinfer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="private Redis + one engine + one frontend")
+    _add_frontend(serve)
+    _add_engine(serve)
+    serve.add_argument(
+        "--redis-url",
+        default=_env("REDIS_URL"),
+        help="use this Redis instead of starting a private one",
+    )
+    _add_common(serve)
+
+    frontend = sub.add_parser("frontend", help="a WebSocket frontend on a shared Redis")
+    _add_frontend(frontend)
+    frontend.add_argument("--redis-url", default=_env("REDIS_URL", DEFAULT_REDIS_URL))
+    _add_common(frontend)
+
+    engine = sub.add_parser("engine", help="an engine process on a shared Redis")
+    _add_engine(engine)
+    engine.add_argument("--redis-url", default=_env("REDIS_URL", DEFAULT_REDIS_URL))
+    engine.add_argument("--engine-id", default=_env("ENGINE_ID"))
+    engine.add_argument("--lease-ms", type=int, default=int(_env("LEASE_MS", 10_000)))
+    engine.add_argument("--drain", action="store_true", help="exit when no work is left")
+    engine.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    _add_common(engine)
+
+    from wsinfer.clients import chat
+
+    chat.add_arguments(sub.add_parser("chat", help="terminal chat with a wsinfer server"))
+    return parser
+
+
+def _frontend_config(args: argparse.Namespace, redis_url: str) -> Any:
+    from wsinfer.server import FrontendConfig
+
+    return FrontendConfig(
+        host=args.host,
+        port=args.port,
+        redis_url=redis_url,
+        api_keys=frozenset(args.api_keys),
+        session_ttl_s=args.session_ttl,
+        max_queued_turns=args.max_queued_turns,
+    )
+
+
+def _engine_argv(args: argparse.Namespace) -> list[str]:
+    argv = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-batch-size",
+        str(args.max_batch_size),
+        "--idle-pause",
+        str(args.idle_pause),
+        "--threads",
+        str(args.threads),
+        "--log-format",
+        args.log_format,
+        "--log-level",
+        args.log_level,
+    ]
+    return argv + (["--model", args.model] if args.model else [])
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from wsinfer.supervisor import serve_all
+
+    config = _frontend_config(args, args.redis_url or "")
+    return asyncio.run(serve_all(config, _engine_argv(args), redis_url=args.redis_url))
+
+
+def run_frontend(args: argparse.Namespace) -> int:
+    from wsinfer.server import Frontend
+
+    async def main() -> None:
+        frontend = Frontend(_frontend_config(args, args.redis_url))
+        server = await frontend.start()
+        print(f"wsinfer: frontend on ws://{args.host}:{frontend.port}/v1/ws", flush=True)
+        try:
+            await server.serve_forever()
+        finally:
+            await frontend.stop()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+    return 0
+
+
+def run_engine_command(args: argparse.Namespace) -> int:
+    from wsinfer.engine.process import ProcessConfig, run_engine
+
+    config = ProcessConfig(
+        max_batch_size=args.max_batch_size,
+        lease_ms=args.lease_ms,
+        idle_pause_s=args.idle_pause,
+        drain=args.drain,
+        exit_with_parent=args.exit_with_parent,
+    )
+    if args.engine_id:
+        config.engine_id = args.engine_id
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    run_engine(args.redis_url, args.model, device=args.device, dtype=args.dtype, config=config)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "chat":
+        from wsinfer.clients import chat
+
+        return chat.run(args)
+    from wsinfer.logs import configure_logging
+
+    configure_logging(args.log_format, args.log_level)
+    runners = {"serve": run_serve, "frontend": run_frontend, "engine": run_engine_command}
+    return runners[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""What each client request does: Redis operations plus protocol bookkeeping.
+
+One method per message type. Errors are raised, never answered here: the
+connection maps them to protocol errors in one place (``errors.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from wsinfer.errors import EngineUnavailable, NotFound, Overloaded
+from wsinfer.messages import ClientMessage, Generate, Resume, SessionCommand
+from wsinfer.sessions import keys
+from wsinfer.sessions.states import IllegalTransition, Status
+from wsinfer.sessions.store import TurnInput
+
+if TYPE_CHECKING:
+    from wsinfer.server import Connection
+
+MAX_FOLLOWED_PER_CONNECTION = 64
+
+
+class Handlers:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.frontend = conn.frontend
+        self.store = conn.frontend.store
+        self.protocol = conn.protocol
+
+    async def handle(self, message: ClientMessage) -> None:
+        if isinstance(message, Generate):
+            await self.generate(message)
+        elif isinstance(message, Resume):
+            await self.resume(message)
+        elif message.type == "close":
+            await self.close(message)
+        else:
+            await self.control(message)
+
+    async def generate(self, msg: Generate) -> None:
+        await self._check_capacity()
+        turn_input = TurnInput(
+            mode="chat" if msg.messages is not None else "text",
+            messages=msg.messages,
+            prompt=msg.prompt,
+            params=msg.params,
+        )
+        if msg.session is None or msg.token is None:
+            session, token = await self.store.create(turn_input)
+            turn = 1
+        else:
+            session, token = msg.session, msg.token
+            turn = await self.store.add_turn(session, token, turn_input)
+        self.frontend.metrics.turns.inc()
+        self.conn.log.info("turn accepted", session=session, turn=turn)
+        self.conn.started_turn(session, turn)
+        self.protocol.accepted(msg.id, session, token, turn)
+        self._subscribe(session, turn, "0-0")
+
+    async def _check_capacity(self) -> None:
+        if len(self.protocol.feeds) >= MAX_FOLLOWED_PER_CONNECTION:
+            raise Overloaded(f"a connection follows at most {MAX_FOLLOWED_PER_CONNECTION} sessions")
+        config = self.frontend.config
+        if await self.store.engines_alive(config.engine_heartbeat_s) == 0:
+            raise EngineUnavailable("no engine is running", retry_after=5.0)
+        if await self.store.queue_depth() >= config.max_queued_turns:
+            raise Overloaded("too many turns are waiting for an engine", retry_after=1.0)
+
+    async def resume(self, msg: Resume) -> None:
+        info = await self.store.info(msg.session, msg.token)
+        turn = msg.turn if msg.turn is not None else info.turn
+        if turn > info.turn:
+            raise NotFound(f"session has no turn {turn}")
+        if turn == info.turn and info.status == Status.PAUSED.value:
+            await self.store.control(msg.session, msg.token, turn, "resume")
+        await self._replay_and_follow(msg.session, turn, msg.after)
+
+    async def _replay_and_follow(self, session: str, turn: int, after: int) -> None:
+        # Replay the history, then follow live from the last entry read, so
+        # nothing falls between the two; anything sent twice is dropped by seq.
+        self.protocol.follow(session, turn, after)
+        events, last_id = await self.store.read_turn(session, turn)
+        self.protocol.replay(session, turn, events)
+        if session in self.protocol.feeds:  # not yet done
+            self._subscribe(session, turn, last_id)
+
+    async def control(self, msg: SessionCommand) -> None:
+        info = await self.store.info(msg.session, msg.token)
+        following = msg.session in self.protocol.feeds
+        if not following:
+            # The requester sees the outcome (paused/done) like any follower.
+            await self._replay_and_follow(msg.session, info.turn, info.seq)
+        try:
+            await self.store.control(msg.session, msg.token, info.turn, msg.type)
+        except IllegalTransition as exc:
+            if exc.current == Status.PAUSED.value and msg.type == "pause":
+                if following:  # otherwise the replay just said so
+                    self.protocol.notify_paused(msg.session, info.turn, info.seq)
+            elif exc.current != Status.DONE.value:  # stopping a finished turn is a no-op
+                raise
+
+    async def close(self, msg: SessionCommand) -> None:
+        await self.store.close(msg.session, msg.token)
+        self.protocol.unfollow(msg.session)
+        self.frontend.fanin.unsubscribe((self.conn.id, msg.session))
+
+    def _subscribe(self, session: str, turn: int, position: str) -> None:
+        self.frontend.fanin.subscribe(
+            keys.turn_stream(session, turn),
+            (self.conn.id, session),
+            position,
+            self.conn.on_events(session, turn),
+        )

@@ -1,0 +1,282 @@
+"""The frontend: a thin websockets adapter around ``ConnectionProtocol``.
+
+It only moves frames, runs each request against Redis through ``Frontend``'s
+handlers, and feeds turn events from the shared ``FanIn`` into each
+connection's protocol object. Plain HTTP routes (/healthz, /metrics, the chat
+page) are served on the same port during the handshake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mimetypes
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import redis.asyncio as aioredis
+import structlog
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from wsinfer.errors import WsinferError, to_protocol_error
+from wsinfer.fanin import FanIn
+from wsinfer.handlers import Handlers
+from wsinfer.messages import SUBPROTOCOLS, Limits, codec_for
+from wsinfer.metrics import Metrics
+from wsinfer.protocol import ConnectionProtocol, Outgoing
+from wsinfer.sessions.store import SessionStore
+
+log = structlog.get_logger("wsinfer.frontend")
+
+# Resolved through the package, so it works installed as well as editable.
+BROWSER_DIR = Path(str(files("wsinfer.clients") / "browser"))
+
+
+@dataclass
+class FrontendConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    api_keys: frozenset[str] = frozenset()
+    session_ttl_s: int = 3600
+    max_queued_turns: int = 256  # beyond this, generate gets `overloaded`
+    max_frame_bytes: int = 1 << 20
+    touch_interval_s: float = 5.0
+    engine_heartbeat_s: float = 5.0  # an engine silent longer than this is not counted
+    limits: Limits = field(default_factory=Limits)
+
+
+class Frontend:
+    """One frontend process: the websockets server plus shared Redis plumbing."""
+
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        self.id = f"frontend-{uuid.uuid4().hex[:8]}"
+        self.redis = aioredis.from_url(config.redis_url)
+        # The fan-in blocks in XREAD: it gets a connection of its own.
+        self.fanin_redis = aioredis.from_url(config.redis_url, socket_timeout=None)
+        self.store = SessionStore(self.redis, ttl_s=config.session_ttl_s)
+        self.fanin = FanIn(self.fanin_redis, self.id)
+        self.metrics = Metrics()
+        self.connections: set[Connection] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.server: Server | None = None
+
+    async def start(self) -> Server:
+        self._tasks = [asyncio.create_task(self.fanin.run()), asyncio.create_task(self._touch())]
+        self.server = await serve(
+            self._handle,
+            self.config.host,
+            self.config.port,
+            subprotocols=list(SUBPROTOCOLS),  # type: ignore[arg-type]
+            select_subprotocol=_select_subprotocol,
+            process_request=self._process_request,
+            max_size=self.config.max_frame_bytes,
+            ping_interval=20,
+            ping_timeout=20,
+        )
+        log.info("frontend listening", frontend=self.id, host=self.config.host, port=self.port)
+        return self.server
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.redis.aclose()
+        await self.fanin_redis.aclose()
+
+    async def _touch(self) -> None:
+        """Keep followed sessions marked as watched (idle pause) and alive (TTL)."""
+        while True:
+            await asyncio.sleep(self.config.touch_interval_s)
+            followed: dict[str, int] = {}
+            for conn in self.connections:
+                followed.update({s: f.turn for s, f in conn.protocol.feeds.items()})
+            self.metrics.active_sessions.set(len(followed))
+            if followed:
+                try:
+                    await self.store.touch(followed)
+                except aioredis.RedisError:
+                    log.warning("touch failed")
+
+    # --- HTTP on the same port -------------------------------------------------
+
+    async def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        path = urlsplit(request.path).path
+        if path == "/v1/ws":
+            return (
+                None
+                if self._authorized(request)
+                else _text(HTTPStatus.UNAUTHORIZED, "bad or missing API key\n")
+            )
+        if path == "/healthz":
+            return await self._healthz()
+        if path == "/metrics":
+            return _response(HTTPStatus.OK, self.metrics.render(), "text/plain; version=0.0.4")
+        if path == "/":
+            return _static("index.html")
+        if path.startswith("/static/"):
+            return _static(path.removeprefix("/static/"))
+        return _text(HTTPStatus.NOT_FOUND, "not found\n")
+
+    def _authorized(self, request: Request) -> bool:
+        if not self.config.api_keys:
+            return True
+        header = request.headers.get("Authorization", "")
+        offered = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        if not offered:
+            offered = parse_qs(urlsplit(request.path).query).get("token", [""])[0]
+        return any(secrets.compare_digest(offered, key) for key in self.config.api_keys)
+
+    async def _healthz(self) -> Response:
+        try:
+            await self.redis.ping()
+            engines = await self.store.engines_alive(self.config.engine_heartbeat_s)
+        except aioredis.RedisError as exc:
+            return _text(HTTPStatus.SERVICE_UNAVAILABLE, f"redis unavailable: {exc}\n")
+        if engines == 0:
+            return _text(HTTPStatus.SERVICE_UNAVAILABLE, "no engine is answering\n")
+        return _text(HTTPStatus.OK, f"ok: {engines} engine(s)\n")
+
+    # --- WebSocket ---------------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        conn = Connection(self, ws)
+        self.connections.add(conn)
+        self.metrics.connections.inc()
+        try:
+            await conn.run()
+        finally:
+            self.connections.discard(conn)
+            self.metrics.connections.dec()
+            self.fanin.unsubscribe_all(lambda owner: owner[0] == conn.id)  # type: ignore[index]
+
+
+class Connection:
+    """One client connection: reader loop, writer task, fan-in subscriptions."""
+
+    def __init__(self, frontend: Frontend, ws: ServerConnection) -> None:
+        self.frontend = frontend
+        self.ws = ws
+        self.id = uuid.uuid4().hex[:12]
+        self.protocol = ConnectionProtocol(codec_for(ws.subprotocol), frontend.config.limits)
+        self.log = log.bind(conn=self.id)
+        self.handlers = Handlers(self)
+        self._wakeup = asyncio.Event()
+        self._turn_clock: dict[tuple[str, int], tuple[float, int, bool]] = {}
+
+    async def run(self) -> None:
+        writer = asyncio.create_task(self._write())
+        try:
+            async for frame in self.ws:
+                await self._on_frame(frame)
+        except ConnectionClosed:
+            pass
+        finally:
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+
+    async def _on_frame(self, frame: str | bytes) -> None:
+        message = self.protocol.receive(frame)
+        if message is not None:
+            try:
+                await self.handlers.handle(message)
+            except Exception as exc:  # every failure becomes an error message
+                error = to_protocol_error(exc)
+                if not isinstance(exc, WsinferError):
+                    self.log.exception("request failed", type=type(message).__name__)
+                session = getattr(message, "session", None)
+                self.protocol.fail(error, msg_id=message.id, session=session)
+        self.flush()
+
+    def flush(self) -> None:
+        self._wakeup.set()
+
+    async def _write(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            for out in self.protocol.data_to_send():
+                self._observe(out)
+                await self.ws.send(out.frame)
+
+    def started_turn(self, session: str, turn: int) -> None:
+        self._turn_clock[(session, turn)] = (time.monotonic(), 0, False)
+
+    def _observe(self, out: Outgoing) -> None:
+        """Metrics, measured where the bytes leave: TTFT and per-token latency."""
+        message, metrics = out.message, self.frontend.metrics
+        if message["type"] == "error":
+            metrics.errors.labels(code=message["code"]).inc()
+        if message["type"] == "done":  # a long-lived connection must not keep every turn's clock
+            self._turn_clock.pop((message["session"], message["turn"]), None)
+        if message["type"] != "delta":
+            return
+        metrics.deltas.inc()
+        key = (message["session"], message["turn"])
+        if key not in self._turn_clock:
+            return
+        now = time.monotonic()
+        since, seq, seen = self._turn_clock[key]
+        if not seen:
+            metrics.ttft.observe(now - since)
+        elif message["seq"] > seq:
+            metrics.inter_token.observe((now - since) / (message["seq"] - seq))
+        self._turn_clock[key] = (now, message["seq"], True)
+
+    def on_events(self, session: str, turn: int) -> Any:
+        def deliver(events: list[Any]) -> None:
+            self.protocol.deliver(session, turn, events)
+            self.flush()
+
+        return deliver
+
+
+def _select_subprotocol(conn: ServerConnection, offered: Any) -> Any:
+    """The first offered subprotocol we know; none offered means JSON."""
+    for name in offered:
+        if name in SUBPROTOCOLS:
+            return name
+    return None
+
+
+def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
+    headers = Headers(
+        [
+            ("Content-Type", content_type),
+            ("Content-Length", str(len(body))),
+            ("Cache-Control", "no-store"),
+        ]
+    )
+    return Response(status.value, status.phrase, headers, body)
+
+
+def _text(status: HTTPStatus, text: str) -> Response:
+    return _response(status, text.encode(), "text/plain; charset=utf-8")
+
+
+def _static(name: str) -> Response:
+    path = (BROWSER_DIR / name).resolve()
+    if BROWSER_DIR.resolve() not in path.parents or not path.is_file():
+        return _text(HTTPStatus.NOT_FOUND, "not found\n")
+    kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+    if path.suffix in (".js", ".mjs"):
+        kind = "text/javascript"
+    return _response(HTTPStatus.OK, path.read_bytes(), f"{kind}; charset=utf-8")

