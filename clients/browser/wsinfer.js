@@ -1,0 +1,561 @@
+// wsinfer browser client: protocol v1 over the browser's own WebSocket.
+//
+// Dependency-free ES module, no build step:
+//
+//   import { WsinferClient } from "/static/wsinfer.js";
+//   const client = new WsinferClient();              // ws(s)://<page host>/v1/ws
+//   const turn = client.generate({ prompt: "Hi", params: { max_new_tokens: 64 } });
+//   for await (const text of turn) out.append(text);
+//
+// A turn is also an EventTarget (`delta`, `paused`, `done`, `error`); the client
+// emits connection events (`connecting`, `open`, `reconnecting`, `resumed`,
+// `closed`). Session id, token, turn number, last applied seq and the text so
+// far live in sessionStorage, so a reload continues the answer (`restoreTurn`).
+
+export const PROTOCOL_VERSION = 1;
+export const SUBPROTOCOL = "wsinfer.v1.json";
+
+/** A refusal or failure reported by the server (or the transport). */
+export class WsinferError extends Error {
+  constructor(code, message, { retryAfter = null, session = null, id = null } = {}) {
+    super(message || code);
+    this.name = "WsinferError";
+    this.code = code;
+    // Both spellings: `retry_after` matches the wire, `retryAfter` the JS habit.
+    this.retryAfter = retryAfter;
+    this.retry_after = retryAfter;
+    this.session = session;
+    this.id = id;
+  }
+
+  static fromMessage(msg) {
+    return new WsinferError(msg.code || "internal", msg.message || msg.code, {
+      retryAfter: msg.retry_after ?? null,
+      session: msg.session ?? null,
+      id: msg.id ?? null,
+    });
+  }
+}
+
+function event(type, detail) {
+  return new CustomEvent(type, { detail });
+}
+
+function defaultUrl() {
+  const loc = globalThis.location;
+  if (!loc || !loc.host) throw new TypeError("WsinferClient: no page location, pass {url}");
+  return `${loc.protocol === "https:" ? "wss:" : "ws:"}//${loc.host}/v1/ws`;
+}
+
+function memoryStorage() {
+  const data = new Map();
+  return {
+    getItem: (k) => (data.has(k) ? data.get(k) : null),
+    setItem: (k, v) => data.set(k, String(v)),
+    removeItem: (k) => data.delete(k),
+  };
+}
+
+function defaultStorage() {
+  try {
+    const s = globalThis.sessionStorage;
+    s.getItem("wsinfer-probe");
+    return s;
+  } catch {
+    return memoryStorage(); // storage disabled (privacy mode, sandboxed frame)
+  }
+}
+
+/**
+ * One turn of a conversation: an async iterator of text deltas and an
+ * EventTarget. `status` is one of starting, running, paused, done, error.
+ */
+export class WsinferTurn extends EventTarget {
+  constructor(client, { text = "", seq = 0, turn = null, status = "starting" } = {}) {
+    super();
+    this.client = client;
+    this.turn = turn;
+    this.session = client.session;
+    this.status = status;
+    this.seq = seq;
+    this.finishReason = null;
+    this.usage = null;
+    this.error = null;
+    this.startedAt = performance.now();
+    this.firstDeltaAt = null;
+    this._chunks = text ? [text] : [];
+    this._wakers = [];
+    this.finished = new Promise((resolve, reject) => {
+      this._resolve = resolve;
+      this._reject = reject;
+    });
+    this.finished.catch(() => {}); // a caller that only listens to events must not see unhandled rejections
+  }
+
+  /** The whole text received so far. */
+  get text() {
+    return this._chunks.join("");
+  }
+
+  get active() {
+    return this.status === "starting" || this.status === "running" || this.status === "paused";
+  }
+
+  /** End the turn now; it finishes with `done`, finishReason "cancelled". */
+  stop() {
+    if (!this.active) return;
+    this.client._control(this, "stop");
+  }
+
+  /** Halt generation but keep the turn; answered by a `paused` event. */
+  pause() {
+    if (this.status !== "running" && this.status !== "starting") return;
+    this.client._control(this, "pause");
+  }
+
+  /** Continue a paused turn (or re-attach after anything): no gap, no repeat. */
+  resume() {
+    if (!this.active) return;
+    if (this.status === "paused") this.status = "running"; // the server continues it
+    this.client._resumeTurn(this);
+  }
+
+  [Symbol.asyncIterator]() {
+    let index = 0;
+    const next = async () => {
+      for (;;) {
+        if (index < this._chunks.length) return { value: this._chunks[index++], done: false };
+        if (this.status === "error") throw this.error;
+        if (this.status === "done") return { value: undefined, done: true };
+        await new Promise((wake) => this._wakers.push(wake));
+      }
+    };
+    return { next, return: async () => ({ value: undefined, done: true }), [Symbol.asyncIterator]() { return this; } };
+  }
+
+  _wake() {
+    const wakers = this._wakers;
+    this._wakers = [];
+    for (const wake of wakers) wake();
+  }
+
+  _applyDelta(seq, text) {
+    if (seq <= this.seq) return false; // already applied: a replay after resume
+    const now = performance.now();
+    if (this.firstDeltaAt === null) this.firstDeltaAt = now;
+    this.seq = seq;
+    if (text) this._chunks.push(text);
+    if (this.status === "starting" || this.status === "paused") this.status = "running";
+    this.dispatchEvent(event("delta", { text, seq, time: now }));
+    this._wake();
+    return true;
+  }
+
+  _setPaused(seq) {
+    if (!this.active) return;
+    this.status = "paused";
+    this.dispatchEvent(event("paused", { seq: seq ?? this.seq }));
+  }
+
+  _finish(msg) {
+    if (!this.active) return;
+    this.finishReason = msg.finish_reason ?? null;
+    this.usage = msg.usage ?? null;
+    if (this.finishReason === "error") {
+      const err = msg.error || {};
+      this._fail(new WsinferError(err.code || "internal", err.message, { session: msg.session }), msg);
+      return;
+    }
+    this.status = "done";
+    const detail = { text: this.text, seq: this.seq, finishReason: this.finishReason, usage: this.usage };
+    this.dispatchEvent(event("done", detail));
+    this._resolve(detail);
+    this._wake();
+  }
+
+  _fail(error, doneMsg = null) {
+    if (!this.active) return;
+    this.status = "error";
+    this.error = error;
+    const ev = new ErrorEvent("error", { error, message: error.message });
+    ev.fatal = true;
+    this.dispatchEvent(ev);
+    if (doneMsg) {
+      this.dispatchEvent(event("done", { text: this.text, seq: this.seq, finishReason: "error", usage: this.usage, error }));
+    }
+    this._reject(error);
+    this._wake();
+  }
+
+  /** A refused control request (e.g. stop of a turn that just ended): the turn goes on. */
+  _warn(error) {
+    const ev = new ErrorEvent("error", { error, message: error.message });
+    ev.fatal = false;
+    this.dispatchEvent(ev);
+  }
+}
+
+/**
+ * A protocol v1 client. Options: url (default: /v1/ws on the page's host),
+ * token (API key, sent as ?token=), storage (default sessionStorage),
+ * storageKey, minDelay/maxDelay (reconnect backoff, ms), maxAttempts,
+ * WebSocket (constructor, for tests).
+ */
+export class WsinferClient extends EventTarget {
+  constructor(options = {}) {
+    super();
+    this.url = options.url || defaultUrl();
+    this.apiKey = options.token ?? null;
+    this.storage = options.storage || defaultStorage();
+    this.storageKey = options.storageKey || "wsinfer";
+    this.minDelay = options.minDelay ?? 250;
+    this.maxDelay = options.maxDelay ?? 10000;
+    this.maxAttempts = options.maxAttempts ?? Infinity;
+    this._WebSocket = options.WebSocket || globalThis.WebSocket;
+    this.state = "idle"; // idle, connecting, open, reconnecting, closed
+    this.session = null;
+    this.sessionToken = null;
+    this.currentTurn = null;
+    this._ws = null;
+    this._queue = [];
+    this._pending = new Map(); // request id -> {type, turn}
+    this._announce = new Set(); // ids of restoring resumes
+    this._nextId = 1;
+    this._idPrefix = Math.random().toString(36).slice(2, 8);
+    this._attempt = 0;
+    this._timer = null;
+    this._everOpened = false;
+    this._load();
+  }
+
+  // ---- public API ---------------------------------------------------------
+
+  /** Open the connection now rather than at the first request (shows state early). */
+  connect() {
+    this._ensureSocket();
+  }
+
+  /** Start a turn. Later calls add turns to the same session. */
+  generate({ messages, prompt, params } = {}) {
+    if (this.currentTurn && this.currentTurn.active) {
+      throw new WsinferError("conflict", "a turn is still running; stop it first");
+    }
+    const msg = { type: "generate" };
+    if (messages !== undefined) msg.messages = messages;
+    if (prompt !== undefined) msg.prompt = prompt;
+    if (params && Object.keys(params).length) msg.params = params;
+    const turn = new WsinferTurn(this);
+    this.currentTurn = turn;
+    turn._request = msg;
+    this._request(msg, turn);
+    return turn;
+  }
+
+  /**
+   * The turn that was in flight when the page was last unloaded, continued
+   * from the last applied seq (or left paused), or null if there is none.
+   */
+  restoreTurn() {
+    const s = this._saved;
+    if (!s || !s.session || s.turn == null || !s.status) return null;
+    if (this.currentTurn) return this.currentTurn;
+    const status = s.status === "paused" ? "paused" : "running";
+    const turn = new WsinferTurn(this, { text: s.text || "", seq: s.seq || 0, turn: s.turn, status });
+    this.currentTurn = turn;
+    if (status === "running") this._resumeTurn(turn, true);
+    else this._ensureSocket();
+    return turn;
+  }
+
+  /** End the session (deleting its state on the server) and the connection. */
+  close() {
+    if (this.currentTurn && this.currentTurn.active) {
+      this.currentTurn._fail(new WsinferError("cancelled", "the session was closed"));
+    }
+    if (this.session && this._ws && this._ws.readyState === 1) {
+      this._ws.send(JSON.stringify({ type: "close", session: this.session, token: this.sessionToken }));
+    }
+    this.session = this.sessionToken = null;
+    this.currentTurn = null;
+    this._saved = null;
+    this.storage.removeItem(this.storageKey);
+    this._disconnect();
+  }
+
+  // ---- requests -----------------------------------------------------------
+
+  _newId() {
+    return `${this._idPrefix}-${this._nextId++}`;
+  }
+
+  _request(msg, turn) {
+    msg.id ??= this._newId();
+    if (msg.type === "generate" && this.session) {
+      msg.session = this.session;
+      msg.token = this.sessionToken;
+    }
+    this._pending.set(msg.id, { type: msg.type, turn, msg });
+    this._send(msg);
+  }
+
+  _control(turn, type) {
+    if (turn.status === "starting" && turn.turn == null) {
+      turn._deferred = type; // sent once the server has told us the session
+      return;
+    }
+    this._request({ type, session: this.session, token: this.sessionToken }, turn);
+  }
+
+  _resumeTurn(turn, restoring = false) {
+    if (!this.session) return;
+    const msg = { type: "resume", session: this.session, token: this.sessionToken, after: turn.seq };
+    if (turn.turn != null) msg.turn = turn.turn;
+    if (restoring) this._announce.add(msg.id = this._newId()); // say "resumed" once it is sent
+    this._request(msg, turn);
+  }
+
+  _send(msg) {
+    if (this._ws && this._ws.readyState === 1 && this.state === "open") {
+      this._ws.send(JSON.stringify(msg));
+    } else {
+      this._queue.push(msg);
+      this._ensureSocket();
+    }
+  }
+
+  // ---- connection ---------------------------------------------------------
+
+  _socketUrl() {
+    if (!this.apiKey) return this.url;
+    const u = new URL(this.url, globalThis.location?.href);
+    u.searchParams.set("token", this.apiKey);
+    return u.toString();
+  }
+
+  _setState(state, detail = {}) {
+    this.state = state;
+    this.dispatchEvent(event(state, detail));
+  }
+
+  _ensureSocket() {
+    if (this._ws || this._timer) return;
+    this._connect();
+  }
+
+  _connect() {
+    this._timer = null;
+    if (!this._everOpened) this._setState("connecting", { attempt: this._attempt });
+    else if (this.state !== "reconnecting") this._setState("reconnecting", { attempt: this._attempt, delay: 0 });
+    let ws;
+    try {
+      ws = new this._WebSocket(this._socketUrl(), SUBPROTOCOL);
+    } catch (err) {
+      this._dispatchClientError(new WsinferError("bad_request", `cannot open ${this.url}: ${err.message}`));
+      this._setState("closed", { code: 0, reason: err.message, willReconnect: false });
+      return;
+    }
+    this._ws = ws;
+    ws.onopen = () => this._onOpen(ws);
+    ws.onmessage = (ev) => this._onMessage(ev);
+    ws.onclose = (ev) => this._onClose(ws, ev);
+    ws.onerror = () => {}; // always followed by close, which decides what to do
+  }
+
+  _onOpen(ws) {
+    if (ws !== this._ws) return;
+    const reconnected = this._everOpened;
+    this._everOpened = true;
+    this._attempt = 0;
+    this._setState("open", { reconnected });
+    const turn = this.currentTurn;
+    // Re-attach the running turn first, so queued controls act on a followed session.
+    const queue = this._queue;
+    this._queue = [];
+    let resumed = null;
+    if (reconnected && turn && turn.status === "running" && this.session && turn.turn != null) {
+      resumed = { session: this.session, turn: turn.turn, after: turn.seq };
+      const msg = { type: "resume", session: this.session, token: this.sessionToken, after: turn.seq, turn: turn.turn };
+      msg.id = this._newId();
+      this._pending.set(msg.id, { type: "resume", turn, msg });
+      ws.send(JSON.stringify(msg));
+    }
+    for (const msg of queue) {
+      if (msg.type === "resume" && resumed) continue; // just sent a fresher one
+      ws.send(JSON.stringify(msg));
+      if (this._announce.delete(msg.id)) {
+        resumed = { session: msg.session, turn: msg.turn ?? null, after: msg.after, restored: true };
+      }
+    }
+    if (resumed) this.dispatchEvent(event("resumed", resumed));
+  }
+
+  _onClose(ws, ev) {
+    if (ws !== this._ws) return;
+    this._ws = null;
+    // Requests sent on the dead socket: generate is re-sent (its answer may be lost),
+    // controls are re-sent, resume is rebuilt from the current seq on open.
+    for (const [id, p] of this._pending) {
+      if (this._queue.includes(p.msg)) continue; // never sent: goes out as it is
+      if (p.type === "resume" || !p.turn.active) this._pending.delete(id);
+      else this._queue.push(p.msg); // unanswered (its answer may be lost): ask again, same id
+    }
+    if (this.state === "closed") return;
+    const wanted = this._queue.length > 0 || (this.currentTurn && this.currentTurn.status === "running");
+    if (!wanted || this._attempt >= this.maxAttempts) {
+      this._setState("closed", { code: ev.code, reason: ev.reason, willReconnect: false });
+      if (this._attempt >= this.maxAttempts && this.currentTurn) {
+        this.currentTurn._fail(new WsinferError("engine_unavailable", "connection lost; gave up reconnecting"));
+      }
+      return;
+    }
+    const delay = this._backoff(this._attempt++);
+    this._setState("reconnecting", { attempt: this._attempt, delay, code: ev.code });
+    this._timer = setTimeout(() => this._connect(), delay);
+  }
+
+  _backoff(attempt) {
+    const base = Math.min(this.maxDelay, this.minDelay * 2 ** attempt);
+    return Math.round(base / 2 + Math.random() * (base / 2)); // "equal jitter"
+  }
+
+  _disconnect() {
+    clearTimeout(this._timer);
+    this._timer = null;
+    this._queue = [];
+    this._pending.clear();
+    const ws = this._ws;
+    this._ws = null;
+    this._everOpened = false;
+    this._setState("closed", { code: 1000, reason: "closed by client", willReconnect: false });
+    if (ws) ws.close(1000);
+  }
+
+  // ---- incoming -----------------------------------------------------------
+
+  _onMessage(ev) {
+    if (typeof ev.data !== "string") return; // we only asked for JSON
+    let msg;
+    try {
+      msg = JSON.parse(ev.data);
+    } catch {
+      return;
+    }
+    const handler = this[`_on_${msg.type}`];
+    if (handler) handler.call(this, msg);
+  }
+
+  _turnFor(msg) {
+    const turn = this.currentTurn;
+    if (!turn || msg.session !== this.session) return null;
+    if (turn._adoptLatest && turn.turn == null) turn.turn = msg.turn; // resumed "latest" after a lost generate answer
+    return msg.turn === turn.turn ? turn : null;
+  }
+
+  _on_session(msg) {
+    const p = msg.id != null ? this._pending.get(msg.id) : null;
+    if (p) this._pending.delete(msg.id);
+    if (!p || p.type !== "generate") return;
+    const turn = p.turn;
+    this.session = msg.session;
+    this.sessionToken = msg.token;
+    turn.session = msg.session;
+    turn.turn = msg.turn;
+    if (turn.status === "starting") turn.status = "running";
+    this._save();
+    turn.dispatchEvent(event("session", { session: msg.session, turn: msg.turn }));
+    if (turn._deferred) this._control(turn, turn._deferred);
+  }
+
+  // Controls are answered by their effect, not by id: forget them once it shows.
+  _settle(turn, types) {
+    for (const [id, p] of this._pending) {
+      if (p.turn === turn && types.includes(p.type)) this._pending.delete(id);
+    }
+  }
+
+  _on_delta(msg) {
+    const turn = this._turnFor(msg);
+    if (!turn || !turn.active) return;
+    this._settle(turn, ["resume"]);
+    if (turn._applyDelta(msg.seq, msg.text)) this._save();
+  }
+
+  _on_paused(msg) {
+    const turn = this._turnFor(msg);
+    if (!turn) return;
+    this._settle(turn, ["pause", "resume"]);
+    turn._setPaused(msg.seq);
+    this._save();
+  }
+
+  _on_done(msg) {
+    const turn = this._turnFor(msg);
+    if (!turn) return;
+    this._settle(turn, ["pause", "resume", "stop"]);
+    turn._finish(msg);
+    this._save();
+  }
+
+  _on_error(msg) {
+    const error = WsinferError.fromMessage(msg);
+    const p = msg.id != null ? this._pending.get(msg.id) : null;
+    if (p) this._pending.delete(msg.id);
+    if (!p) return this._dispatchClientError(error);
+    const turn = p.turn;
+    if (p.type === "generate") {
+      if (error.code === "conflict" && this.session && turn.status === "starting") {
+        // Our generate got through before the connection dropped: follow it.
+        turn.turn = null;
+        turn._adoptLatest = true;
+        turn.status = "running";
+        return this._resumeTurn(turn);
+      }
+      turn._fail(error);
+    } else if (p.type === "resume" && error.code === "not_found") {
+      this.session = this.sessionToken = null; // expired or closed: start afresh next time
+      turn._fail(error);
+    } else {
+      turn._warn(error);
+    }
+    this._save();
+  }
+
+  _dispatchClientError(error) {
+    const ev = new ErrorEvent("error", { error, message: error.message });
+    this.dispatchEvent(ev);
+  }
+
+  // ---- persistence ----------------------------------------------------------
+
+  _load() {
+    let saved = null;
+    try {
+      saved = JSON.parse(this.storage.getItem(this.storageKey) || "null");
+    } catch {
+      saved = null;
+    }
+    this._saved = saved;
+    if (saved && saved.session && saved.url === this.url) {
+      this.session = saved.session;
+      this.sessionToken = saved.token;
+    } else {
+      this._saved = null;
+    }
+  }
+
+  _save() {
+    const turn = this.currentTurn;
+    const state = { url: this.url, session: this.session, token: this.sessionToken };
+    if (turn && turn.turn != null && turn.active) {
+      Object.assign(state, { turn: turn.turn, seq: turn.seq, text: turn.text, status: turn.status });
+    }
+    this._saved = state;
+    try {
+      this.storage.setItem(this.storageKey, JSON.stringify(state));
+    } catch {
+      // quota: the live session still works, only a reload would lose it
+    }
+  }
+}
+
+export default WsinferClient;

@@ -1,0 +1,123 @@
+"""Client exceptions, and the one place that maps protocol error codes to them.
+
+Two families, as in h11: ``RequestError`` means the request itself was wrong
+(fix the call, retrying will not help), ``ServerError`` means the service could
+not do it right now (retrying later may). ``ConnectionLost`` is the client's
+own: the connection dropped and could not be restored in time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class WsinferError(Exception):
+    """Base of every error the client raises; ``code`` is the protocol code."""
+
+    code = "error"
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        code: str | None = None,
+        retry_after: float | None = None,
+        session: str | None = None,
+    ) -> None:
+        super().__init__(message or self.code)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+        self.session = session
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}" if self.message else self.code
+
+
+class RequestError(WsinferError):
+    """The server refused the request as given; retrying it unchanged will not help."""
+
+
+class BadRequest(RequestError):
+    code = "bad_request"
+
+
+class Unauthorized(RequestError):
+    code = "unauthorized"
+
+
+class NotFound(RequestError):
+    code = "not_found"
+
+
+class Conflict(RequestError):
+    code = "conflict"
+
+
+class TooLarge(RequestError):
+    code = "too_large"
+
+
+class ServerError(WsinferError):
+    """The service could not serve the request now; ``retry_after`` hints when to retry."""
+
+
+class Overloaded(ServerError):
+    code = "overloaded"
+
+
+class EngineUnavailable(ServerError):
+    code = "engine_unavailable"
+
+
+class InternalError(ServerError):
+    code = "internal"
+
+
+class ConnectionLost(WsinferError):
+    """The connection dropped and reconnecting failed (or was disabled)."""
+
+    code = "connection_lost"
+
+
+class ClientClosed(WsinferError):
+    """The client was closed while the call was waiting."""
+
+    code = "client_closed"
+
+
+_BY_CODE: dict[str, type[WsinferError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequest,
+        Unauthorized,
+        NotFound,
+        Conflict,
+        TooLarge,
+        Overloaded,
+        EngineUnavailable,
+        InternalError,
+    )
+}
+
+
+def error_from_wire(fields: Mapping[str, Any], session: str | None = None) -> WsinferError:
+    """Build the exception for an ``error`` message or a ``done.error`` map.
+
+    Unknown codes still raise (as the base class) so that a newer server's
+    codes are never silently dropped.
+    """
+    code = str(fields.get("code") or "internal")
+    message = str(fields.get("message") or "")
+    retry_after = fields.get("retry_after")
+    if not isinstance(retry_after, (int, float)) or isinstance(retry_after, bool):
+        retry_after = None
+    cls = _BY_CODE.get(code, WsinferError)
+    return cls(
+        message,
+        code=code,
+        retry_after=retry_after,
+        session=fields.get("session") or session,
+    )

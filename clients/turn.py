@@ -1,0 +1,308 @@
+"""``Turn`` (one streaming answer) and ``Conversation`` (a multi-turn session).
+
+The client's reader feeds turns; callers iterate them. Text is kept in the
+turn, not in a queue, so any number of iterators (and ``wait()``) see all of
+it, and ``turn.text`` is always what has been applied so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from wsinfer.clients.errors import WsinferError
+from wsinfer.clients.protocol import ChatMessage, TurnState, Usage
+
+if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
+
+    from wsinfer.clients.client import Client
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    # Control acks only ever carry errors, and only a waiting caller reads
+    # them; mark them retrieved so asyncio does not warn about the others.
+    if not fut.cancelled():
+        fut.exception()
+
+
+def new_ack() -> asyncio.Future[None]:
+    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    fut.add_done_callback(_retrieve)
+    return fut
+
+
+class Turn:
+    """One turn of a session, streaming text deltas.
+
+    ``async for text in turn`` yields each delta exactly once, in order, across
+    reconnects. When the turn ends with ``finish_reason == "error"`` the
+    iteration (and ``wait()``) raises the mapped ``WsinferError`` after the
+    text that did arrive; ``turn.finish_reason`` and ``turn.error`` say so too.
+    """
+
+    def __init__(self, client: Client, state: TurnState) -> None:
+        self._client = client
+        self._state = state
+        self._wakeup: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._failure: WsinferError | None = None
+        self._events = 0
+        # What the caller asked for, so a reconnect can repeat it.
+        self.stop_requested = False
+        self.pause_requested = False
+        self.stop_ack: asyncio.Future[None] | None = None
+        self.pause_ack: asyncio.Future[None] | None = None
+        # The connection that follows this turn's session (None: none does).
+        self.following: ClientConnection | None = None
+
+    # --- what the caller reads ----------------------------------------------
+
+    @property
+    def session(self) -> str:
+        return self._state.session
+
+    @property
+    def token(self) -> str:
+        return self._state.token
+
+    @property
+    def turn(self) -> int:
+        return self._state.turn
+
+    @property
+    def seq(self) -> int:
+        return self._state.seq
+
+    @property
+    def text(self) -> str:
+        return self._state.text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._state.finish_reason
+
+    @property
+    def usage(self) -> Usage | None:
+        return self._state.usage
+
+    @property
+    def paused(self) -> bool:
+        return self._state.paused
+
+    @property
+    def error(self) -> WsinferError | None:
+        return self._state.error or self._failure
+
+    @property
+    def finished(self) -> bool:
+        """Done on the server, or given up on by the client."""
+        return self._state.done or self._failure is not None
+
+    @property
+    def live(self) -> bool:
+        """Whether a reconnect should re-attach to it.
+
+        A turn the caller paused (and the server confirmed) is left alone:
+        re-attaching means ``resume``, which would un-pause it.
+        """
+        if self.finished:
+            return False
+        return self.stop_requested or not (self.pause_requested and self._state.paused)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Turn session={self.session} turn={self.turn} seq={self.seq} "
+            f"finish_reason={self.finish_reason}>"
+        )
+
+    # --- fed by the client ----------------------------------------------------
+
+    def apply(self, msg: Mapping[str, Any]) -> None:
+        if self._state.apply(msg) is not None:
+            self._events += 1
+            self._notify()
+
+    def fail(self, exc: WsinferError) -> None:
+        if not self.finished:
+            self._failure = exc
+            self._notify()
+
+    def _notify(self) -> None:
+        wakeup, self._wakeup = self._wakeup, asyncio.get_running_loop().create_future()
+        if not wakeup.done():
+            wakeup.set_result(None)
+
+    # --- iteration --------------------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[str]:
+        index = 0
+        while True:
+            parts = self._state.parts
+            while index < len(parts):
+                yield parts[index]
+                index += 1
+            if self.finished:
+                self._raise_if_failed()
+                return
+            # Shielded: a cancelled reader must not cancel the shared future.
+            await asyncio.shield(self._wakeup)
+
+    def _raise_if_failed(self) -> None:
+        error = self.error
+        if error is not None:
+            raise error
+
+    async def wait(self) -> str:
+        """Wait for the end of the turn; return its whole text (raise if it failed)."""
+        await self._until(lambda: self.finished)
+        self._raise_if_failed()
+        return self.text
+
+    # --- control ---------------------------------------------------------------
+
+    async def stop(self, *, wait: bool = True) -> str | None:
+        """Ask the server to end the turn; by default wait for its ``done``.
+
+        Returns the finish reason (``"cancelled"``, or how it ended first).
+        """
+        if self.finished:
+            return self.finish_reason
+        self.stop_requested = True
+        self.stop_ack = new_ack()
+        await self._client.send_stop(self)
+        if wait:
+            await self._until(lambda: self.finished, self.stop_ack)
+        return self.finish_reason
+
+    async def pause(self) -> int:
+        """Halt generation, keeping the turn; returns the seq it halted at."""
+        if self.finished or (self.pause_requested and self.paused):
+            return self.seq
+        self.pause_requested = True
+        self.pause_ack = new_ack()
+        await self._client.send_pause(self)
+        await self._until(lambda: self.paused or self.finished, self.pause_ack)
+        return self.seq
+
+    async def resume(self) -> None:
+        """Continue a paused turn; returns once the server streams again."""
+        if self.finished:
+            return
+        self.pause_requested = False
+        seen = self._events
+        ack = new_ack()
+        await self._client.send_resume(self, ack)
+        # A `paused` replayed from before the resume is not "streaming again".
+        await self._until(lambda: (self._events != seen and not self.paused) or self.finished, ack)
+        self._raise_if_failed()
+
+    def stop_soon(self) -> None:
+        """Stop without waiting, from code that must not await (e.g. a finalizer)."""
+        if not self.finished and not self.stop_requested:
+            self.stop_requested = True  # now, so that waiters see it before the task runs
+            self._client.spawn(self.stop(wait=False))
+
+    async def _until(
+        self, ready: Callable[[], bool], ack: asyncio.Future[None] | None = None
+    ) -> None:
+        """Wait until ``ready()``; raise if the server refuses ``ack``'s request."""
+        while not ready():
+            if self._failure is not None:
+                raise self._failure
+            waiters: list[Awaitable[Any]] = [self._wakeup] if ack is None else [self._wakeup, ack]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
+            if ack is not None and ack.done():
+                ack.result()
+                ack = None  # settled without error: only `ready` matters now
+
+
+class Conversation:
+    """A multi-turn session: remembers the session id and token between turns."""
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        session: str | None = None,
+        token: str | None = None,
+        system: str | None = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._client = client
+        self.session = session
+        self.token = token
+        self.system = system
+        self.params = dict(params or {})
+        self.last_turn: Turn | None = None
+        self._sending: Turn | None = None  # the turn a send() generator is yielding
+
+    async def start(
+        self,
+        text: str | None = None,
+        *,
+        messages: Sequence[ChatMessage] | None = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> Turn:
+        """Start the next turn with a user message (or explicit ``messages``)."""
+        await self._previous_stopped()
+        turn = await self._client.start(
+            messages=self._messages(text, messages),
+            params={**self.params, **(params or {})},
+            session=self.session,
+            token=self.token,
+        )
+        self.session, self.token, self.last_turn = turn.session, turn.token, turn
+        return turn
+
+    async def _previous_stopped(self) -> None:
+        """Make sure the previous turn is over before the next ``generate``.
+
+        A ``send()`` left early is stopped by its generator's finalizer, which
+        asyncio runs a loop iteration or two later; starting the next turn
+        means the caller has moved on, so stop it now and wait for its
+        ``done`` rather than let the server answer ``conflict``. A turn from
+        ``start()`` is the caller's to manage: it is left alone.
+        """
+        last = self.last_turn
+        if last is None or last.finished:
+            return
+        if last.stop_requested or last is self._sending:
+            with contextlib.suppress(WsinferError):
+                await last.stop()
+
+    def _messages(
+        self, text: str | None, messages: Sequence[ChatMessage] | None
+    ) -> list[ChatMessage]:
+        if (text is None) == (messages is None):
+            raise ValueError("pass exactly one of text and messages=")
+        out: list[ChatMessage] = (
+            list(messages) if messages is not None else [{"role": "user", "content": text or ""}]
+        )
+        # The system prompt belongs to the session, so only its first turn sends it.
+        if self.session is None and self.system:
+            out.insert(0, {"role": "system", "content": self.system})
+        return out
+
+    async def send(
+        self, text: str, *, params: Mapping[str, Any] | None = None
+    ) -> AsyncIterator[str]:
+        """Send a user message and yield the answer's deltas."""
+        turn = await self.start(text, params=params)
+        self._sending = turn
+        try:
+            async for delta in turn:
+                yield delta
+        finally:
+            self._sending = None
+            turn.stop_soon()
+
+    async def close(self) -> None:
+        """End the session on the server (``close``) and forget it here."""
+        if self.session is not None and self.token is not None:
+            await self._client.close_session(self.session, self.token)
+        self.session = self.token = self.last_turn = None
