@@ -1,0 +1,166 @@
+"""Sans-I/O parts of the client: turn state (dedup), codecs, error mapping."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+
+from wsinfer.clients import errors
+from wsinfer.clients.client import ReconnectPolicy
+from wsinfer.clients.codec import (
+    Codec,
+    DecodeError,
+    codec_for_subprotocol,
+    offered_subprotocols,
+)
+from wsinfer.clients.protocol import (
+    DoneEvent,
+    TextDelta,
+    TurnState,
+    control_request,
+    generate_request,
+)
+
+
+def delta(seq: int, text: str, turn: int = 1) -> dict[str, object]:
+    return {"type": "delta", "session": "s", "turn": turn, "seq": seq, "text": text}
+
+
+def test_replayed_deltas_are_applied_once() -> None:
+    state = TurnState("s", "k", 1)
+    for seq, text in [(1, "a"), (2, "b"), (2, "b"), (1, "a"), (4, "cd"), (3, "c"), (5, "e")]:
+        state.apply(delta(seq, text))
+    assert state.text == "abcde"
+    assert state.seq == 5
+
+
+def test_apply_reports_only_changes() -> None:
+    state = TurnState("s", "k", 1)
+    assert state.apply(delta(1, "a")) == TextDelta("a", 1)
+    assert state.apply(delta(1, "a")) is None
+
+
+def test_other_turns_and_late_messages_are_ignored() -> None:
+    state = TurnState("s", "k", 2)
+    assert state.apply(delta(1, "old", turn=1)) is None
+    state.apply(delta(1, "x", turn=2))
+    done = {"type": "done", "turn": 2, "seq": 1, "finish_reason": "length", "usage": {}}
+    event = state.apply(done)
+    assert isinstance(event, DoneEvent) and event.error is None
+    assert state.apply(delta(2, "late", turn=2)) is None
+    assert state.apply({**done, "finish_reason": "stop"}) is None
+    assert (state.text, state.finish_reason) == ("x", "length")
+
+
+def test_paused_then_delta_clears_paused() -> None:
+    state = TurnState("s", "k", 1)
+    state.apply({"type": "paused", "turn": 1, "seq": 0})
+    assert state.paused
+    state.apply(delta(1, "a"))
+    assert not state.paused
+
+
+def test_done_with_error_maps_the_code() -> None:
+    state = TurnState("s", "k", 1)
+    state.apply(
+        {
+            "type": "done",
+            "turn": 1,
+            "seq": 0,
+            "finish_reason": "error",
+            "usage": {"prompt_tokens": 4, "completion_tokens": 0, "cached_tokens": 2},
+            "error": {"code": "engine_unavailable", "message": "gone"},
+        }
+    )
+    assert isinstance(state.error, errors.EngineUnavailable)
+    assert state.usage is not None and state.usage.cached_tokens == 2
+
+
+def test_unknown_turn_is_adopted_from_the_first_message() -> None:
+    state = TurnState("s", "k", -1, seq=3)
+    state.apply(delta(3, "seen", turn=7))
+    state.apply(delta(4, "new", turn=7))
+    assert (state.turn, state.text) == (7, "new")
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "family"),
+    [
+        ("bad_request", errors.BadRequest, errors.RequestError),
+        ("unauthorized", errors.Unauthorized, errors.RequestError),
+        ("not_found", errors.NotFound, errors.RequestError),
+        ("conflict", errors.Conflict, errors.RequestError),
+        ("too_large", errors.TooLarge, errors.RequestError),
+        ("overloaded", errors.Overloaded, errors.ServerError),
+        ("engine_unavailable", errors.EngineUnavailable, errors.ServerError),
+        ("internal", errors.InternalError, errors.ServerError),
+    ],
+)
+def test_every_protocol_code_has_its_exception(
+    code: str, cls: type[errors.WsinferError], family: type[errors.WsinferError]
+) -> None:
+    exc = errors.error_from_wire({"code": code, "message": "m", "retry_after": 2, "session": "s"})
+    assert type(exc) is cls and isinstance(exc, family)
+    assert (exc.code, exc.message, exc.retry_after, exc.session) == (code, "m", 2, "s")
+
+
+def test_unknown_code_still_raises_as_base_class() -> None:
+    exc = errors.error_from_wire({"code": "brand_new", "message": "?"})
+    assert type(exc) is errors.WsinferError and exc.code == "brand_new"
+    assert str(exc) == "brand_new: ?"
+
+
+@pytest.mark.parametrize("name", ["json", "msgpack"])
+def test_codec_round_trip(name: str) -> None:
+    codec = Codec(name)  # type: ignore[arg-type]
+    msg = {"type": "delta", "text": "héllo ✓", "seq": 3}
+    frame = codec.encode(msg)
+    assert isinstance(frame, str if name == "json" else bytes)
+    assert codec.decode(frame) == msg
+
+
+def test_codec_decodes_by_frame_type() -> None:
+    codec = Codec("msgpack")
+    assert codec.decode(json.dumps({"type": "x"})) == {"type": "x"}
+    assert Codec("json").decode(msgpack.packb({"type": "y"})) == {"type": "y"}
+    with pytest.raises(DecodeError):
+        codec.decode("[1, 2]")
+    with pytest.raises(DecodeError):
+        codec.decode(b"\xc1")
+
+
+def test_subprotocol_negotiation_helpers() -> None:
+    assert offered_subprotocols("msgpack") == ["wsinfer.v1.msgpack", "wsinfer.v1.json"]
+    assert offered_subprotocols("json") == ["wsinfer.v1.json", "wsinfer.v1.msgpack"]
+    assert codec_for_subprotocol(None).name == "json"  # no subprotocol means JSON
+    assert codec_for_subprotocol("wsinfer.v1.msgpack").name == "msgpack"
+
+
+def test_request_builders() -> None:
+    msg = generate_request(prompt="hi", params={"temperature": 0})
+    assert msg == {"type": "generate", "prompt": "hi", "params": {"temperature": 0}}
+    msg = generate_request(messages=[{"role": "user", "content": "x"}], session="s", token="t")
+    assert msg["session"] == "s" and msg["token"] == "t" and "prompt" not in msg
+    with pytest.raises(ValueError):
+        generate_request()
+    with pytest.raises(ValueError):
+        generate_request(prompt="a", messages=[])
+    with pytest.raises(ValueError):
+        generate_request(prompt="a", session="s")
+    assert control_request("resume", "s", "t", after=4) == {
+        "type": "resume",
+        "session": "s",
+        "token": "t",
+        "after": 4,
+    }
+
+
+def test_backoff_grows_with_jitter_and_is_capped() -> None:
+    policy = ReconnectPolicy(base_delay=0.1, max_delay=2.0)
+    for attempt in range(12):
+        step = min(2.0, 0.1 * 2**attempt)
+        delays = {policy.delay(attempt) for _ in range(20)}
+        assert all(step / 2 <= d <= step for d in delays)
+        assert len(delays) > 1  # jittered

@@ -1,0 +1,284 @@
+"""Session state against a real Redis: every transition of states.TRANSITIONS,
+fencing, takeover, and the failure answers (not_found, conflict, mode)."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from wsinfer.sessions import keys
+from wsinfer.sessions.schema import (
+    DeltaEvent,
+    DoneEvent,
+    GenerationParams,
+    PausedEvent,
+    Usage,
+)
+from wsinfer.sessions.states import IllegalTransition
+from wsinfer.sessions.store import ModeMismatch, SessionNotFound, SessionStore, TurnInput
+from wsinfer.sessions.worker import Publish, WorkerStore
+
+CHAT = TurnInput("chat", [{"role": "user", "content": "hi"}], None, GenerationParams())
+TEXT = TurnInput("text", None, "Once upon", GenerationParams(temperature=0))
+
+
+@pytest.fixture
+def store(aredis: aioredis.Redis) -> SessionStore:
+    return SessionStore(aredis, ttl_s=60)
+
+
+@pytest.fixture
+def worker(redis_client: redis.Redis) -> WorkerStore:
+    w = WorkerStore(redis_client, "engine-a", ttl_s=60)
+    w.ensure_group()
+    return w
+
+
+def _claim_next(worker: WorkerStore, takeover: bool = False):  # type: ignore[no-untyped-def]
+    items = worker.read_work(10, None)
+    assert items, "nothing queued"
+    return items[-1], worker.claim(items[-1].request, takeover=takeover)
+
+
+async def test_create_queues_work_and_hides_the_token(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    session, token = await store.create(CHAT)
+    info = await store.info(session, token)
+    assert (info.turn, info.status, info.seq) == (1, "queued", 0)
+    assert token.encode() not in redis_client.hget(keys.meta(session), "token")
+    item, claimed = _claim_next(worker)
+    assert item.request.session == session and claimed is not None
+    assert claimed.epoch == 1 and claimed.meta["status"] == "running"
+
+
+async def test_wrong_token_and_unknown_session_are_not_found(store: SessionStore) -> None:
+    session, _ = await store.create(CHAT)
+    with pytest.raises(SessionNotFound):
+        await store.info(session, "wrong")
+    with pytest.raises(SessionNotFound):
+        await store.add_turn("nope", "nope", CHAT)
+    with pytest.raises(SessionNotFound):
+        await store.control(session, "wrong", 1, "stop")
+    with pytest.raises(SessionNotFound):
+        await store.close(session, "wrong")
+
+
+async def test_generate_during_a_turn_is_a_conflict(store: SessionStore) -> None:
+    session, token = await store.create(CHAT)
+    with pytest.raises(IllegalTransition):
+        await store.add_turn(session, token, CHAT)
+
+
+async def test_mode_cannot_change_within_a_session(
+    store: SessionStore, worker: WorkerStore
+) -> None:
+    session, token = await store.create(CHAT)
+    _, claimed = _claim_next(worker)
+    worker.publish_many([Publish(session, 1, claimed.epoch, 0, [DoneEvent(0, "stop")])])
+    with pytest.raises(ModeMismatch):
+        await store.add_turn(session, token, TEXT)
+    assert await store.add_turn(session, token, CHAT) == 2
+
+
+async def test_stop_of_a_queued_turn_finishes_it_without_an_engine(
+    store: SessionStore, worker: WorkerStore
+) -> None:
+    session, token = await store.create(CHAT)
+    result = await store.control(session, token, 1, "stop")
+    assert (result.effect, result.status) == ("done_cancelled", "done")
+    events, _ = await store.read_turn(session, 1)
+    assert isinstance(events[-1], DoneEvent) and events[-1].finish_reason == "cancelled"
+    item = worker.read_work(10, None)[0]
+    assert worker.claim(item.request, takeover=False) is None  # stale work is skipped
+
+
+async def test_pause_resume_of_a_running_turn(store: SessionStore, worker: WorkerStore) -> None:
+    session, token = await store.create(CHAT)
+    _, claimed = _claim_next(worker)
+    result = await store.control(session, token, 1, "pause")
+    assert result.effect == "control:pause" and result.status == "running"
+    outcome = worker.publish_many(
+        [Publish(session, 1, claimed.epoch, 3, [DeltaEvent(3, "abc", [1, 2, 3]), PausedEvent(3)])]
+    )
+    assert outcome[0].outcome == "ok" and outcome[0].control == ""
+    assert (await store.info(session, token)).status == "paused"
+    resumed = await store.control(session, token, 1, "resume")
+    assert resumed.effect == "requeue" and resumed.status == "queued"
+    _, again = _claim_next(worker)
+    assert again is not None and again.epoch == 2
+    assert worker.read_generated(session, 1) == ([1, 2, 3], 3)
+
+
+async def test_resume_of_a_running_turn_is_illegal(
+    store: SessionStore, worker: WorkerStore
+) -> None:
+    session, token = await store.create(CHAT)
+    _claim_next(worker)
+    with pytest.raises(IllegalTransition) as info:
+        await store.control(session, token, 1, "resume")
+    assert info.value.current == "running"
+
+
+async def test_takeover_fences_the_previous_engine(
+    store: SessionStore, redis_client: redis.Redis, worker: WorkerStore
+) -> None:
+    session, _ = await store.create(CHAT)
+    _, first = _claim_next(worker)
+    worker.publish_many([Publish(session, 1, first.epoch, 1, [DeltaEvent(1, "a", [7])])])
+    other = WorkerStore(redis_client, "engine-b", ttl_s=60)
+    taken = other.take_over_expired(min_idle_ms=0, count=10)
+    assert [t.request.session for t in taken] == [session]
+    second = other.claim(taken[0].request, takeover=True)
+    assert second is not None and second.epoch == first.epoch + 1
+    late = worker.publish_many([Publish(session, 1, first.epoch, 2, [DeltaEvent(2, "b", [8])])])
+    assert late[0].outcome == "fenced"
+    ok = other.publish_many([Publish(session, 1, second.epoch, 2, [DeltaEvent(2, "b", [8])])])
+    assert ok[0].outcome == "ok"
+    assert worker.read_generated(session, 1) == ([7, 8], 2)
+
+
+async def test_leases_renewed_are_not_taken_over(
+    store: SessionStore, redis_client: redis.Redis, worker: WorkerStore
+) -> None:
+    await store.create(CHAT)
+    item, _ = _claim_next(worker)
+    worker.renew_leases([item])
+    other = WorkerStore(redis_client, "engine-b")
+    assert other.take_over_expired(min_idle_ms=5_000, count=10) == []
+
+
+async def test_close_deletes_everything_and_the_engine_notices(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    session, token = await store.create(CHAT)
+    _, claimed = _claim_next(worker)
+    worker.publish_many([Publish(session, 1, claimed.epoch, 1, [DeltaEvent(1, "a", [7])])])
+    await store.close(session, token)
+    assert redis_client.keys(f"*{session}*") == []
+    assert worker.poll([(session, 1)]) == {}
+    gone = worker.publish_many([Publish(session, 1, claimed.epoch, 2, [DeltaEvent(2, "b", [8])])])
+    assert gone[0].outcome == "not_found"
+
+
+async def test_history_rebuilds_chat_and_text_sessions(
+    store: SessionStore, worker: WorkerStore
+) -> None:
+    session, token = await store.create(CHAT)
+    _, claimed = _claim_next(worker)
+    worker.save_prompt(session, 1, [5, 6])
+    worker.publish_many(
+        [
+            Publish(
+                session,
+                1,
+                claimed.epoch,
+                2,
+                [
+                    DeltaEvent(1, "Hel", [1]),
+                    DeltaEvent(2, "lo", [2]),
+                    DoneEvent(2, "stop", Usage(2, 2)),
+                ],
+            )
+        ]
+    )
+    await store.add_turn(
+        session,
+        token,
+        TurnInput("chat", [{"role": "user", "content": "again"}], None, GenerationParams()),
+    )
+    history = worker.load_history(session, 2)
+    assert history.chat_turns == [([{"role": "user", "content": "hi"}], "Hello")]
+    assert history.current.messages == [{"role": "user", "content": "again"}]
+
+    text_session, text_token = await store.create(TEXT)
+    _, claimed = _claim_next(worker)
+    worker.save_prompt(text_session, 1, [9])
+    worker.publish_many(
+        [
+            Publish(
+                text_session,
+                1,
+                claimed.epoch,
+                1,
+                [DeltaEvent(1, "x", [10]), DoneEvent(1, "length")],
+            )
+        ]
+    )
+    await store.add_turn(text_session, text_token, TEXT)
+    assert worker.load_history(text_session, 2).previous_ids == [9, 10]
+
+
+async def test_touch_marks_sessions_watched_and_extends_ttl(
+    store: SessionStore, redis_client: redis.Redis
+) -> None:
+    session, _ = await store.create(CHAT)
+    redis_client.expire(keys.meta(session), 5)
+    await store.touch({session: 1})
+    assert redis_client.ttl(keys.meta(session)) > 5
+    assert float(redis_client.hget(keys.meta(session), "seen_at")) > 0
+
+
+async def test_engines_alive_and_queue_depth(store: SessionStore, worker: WorkerStore) -> None:
+    assert await store.engines_alive(5) == 0
+    worker.heartbeat()
+    assert await store.engines_alive(5) == 1
+    await store.create(CHAT)
+    await store.create(CHAT)
+    assert await store.queue_depth() == 2
+    worker.read_work(1, None)
+    assert await store.queue_depth() == 1
+
+
+async def _finish_turn(worker: WorkerStore, session: str, kv: bool) -> None:
+    _, claimed = _claim_next(worker)
+    fields = {"kv_engine": worker.engine_id if kv else "", "kv_len": 5 if kv else 0}
+    worker.publish_many(
+        [Publish(session, claimed.turn, claimed.epoch, 1, [DoneEvent(1, "stop")], fields)]
+    )
+
+
+async def test_next_turn_goes_to_the_engine_holding_the_kv_cache(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    other = WorkerStore(redis_client, "engine-b")
+    other.ensure_group()
+    worker.heartbeat()
+    other.heartbeat()
+    session, token = await store.create(CHAT)
+    await _finish_turn(worker, session, kv=True)
+    await store.add_turn(session, token, CHAT)
+    assert other.read_work(10, None) == []  # not on the shared queue
+    item = worker.read_work(10, None)[0]
+    assert item.stream == keys.engine_requests("engine-a") and item.request.turn == 2
+
+
+async def test_a_dead_engines_own_queue_is_drained_by_the_others(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    worker.heartbeat()
+    session, token = await store.create(CHAT)
+    await _finish_turn(worker, session, kv=True)
+    await store.add_turn(session, token, CHAT)  # routed to engine-a ...
+    worker.deregister()  # ... which then stops before reading it
+    other = WorkerStore(redis_client, "engine-b")
+    other.ensure_group()
+    taken = other.take_over_expired(min_idle_ms=1000, count=10)
+    assert [(t.request.session, t.request.turn) for t in taken] == [(session, 2)]
+    claimed = other.claim(taken[0].request, takeover=True)
+    assert claimed is not None
+    other.ack(taken[0])
+    assert other.take_over_expired(min_idle_ms=1000, count=10) == []
+    assert redis_client.zscore(keys.ENGINES, "engine-a") is None  # forgotten once drained
+
+
+async def test_no_routing_to_a_silent_engine(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    session, token = await store.create(CHAT)
+    await _finish_turn(worker, session, kv=True)
+    redis_client.zadd(keys.ENGINES, {"engine-a": 1.0})  # last heard of long ago
+    await store.add_turn(session, token, CHAT)
+    assert redis_client.xlen(keys.engine_requests("engine-a")) == 0
+    assert worker.read_work(10, None)[0].stream == keys.REQUESTS

@@ -1,0 +1,142 @@
+"""Real processes for end-to-end tests: engines and frontends on a test's Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from websockets.asyncio.client import ClientConnection, connect
+
+from wsinfer.sessions import keys
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    model: str
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "wsinfer",
+                *args,
+                "--redis-url",
+                self.redis_url,
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        self.processes.append(process)
+        return process
+
+    def start_engine(
+        self, engine_id: str, *extra: str, wait: bool = True
+    ) -> subprocess.Popen[bytes]:
+        process = self._spawn(
+            "engine", "--model", self.model, "--engine-id", engine_id, "--lease-ms", "2000", *extra
+        )
+        if wait:
+            self.wait_for_engine(engine_id, process)
+        return process
+
+    def wait_for_engine(self, engine_id: str, process: subprocess.Popen[bytes]) -> None:
+        wait_for_engine(self.redis_url, engine_id, process)
+
+    def start_frontend(self, *extra: str) -> tuple[subprocess.Popen[bytes], int]:
+        process = self._spawn("frontend", "--port", "0", *extra)
+        assert process.stdout is not None
+        port = port_from_banner(process.stdout.readline(), "frontend")
+        return process, port
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def port_from_banner(line: str | bytes, what: str) -> int:
+    """The port in the ``ws://HOST:PORT/v1/ws`` line wsinfer prints once it listens."""
+    text = line.decode() if isinstance(line, bytes) else line
+    if "ws://" not in text:
+        raise RuntimeError(f"{what} did not start: {text!r}")
+    return int(text.split("ws://")[1].split("/")[0].rsplit(":", 1)[1])
+
+
+def wait_for_engine(
+    redis_url: str, engine_id: str, process: subprocess.Popen[bytes], timeout_s: float = 120
+) -> None:
+    """Until the engine's first heartbeat is in Redis (its model is loaded)."""
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if client.zscore(keys.ENGINES, engine_id) is not None:
+            return
+        if process.poll() is not None:
+            raise RuntimeError(f"engine exited with {process.returncode}")
+        time.sleep(0.1)
+    raise TimeoutError(f"engine did not register within {timeout_s:.0f} s")
+
+
+class Client:
+    """A raw protocol client: JSON frames, nothing clever (the tests check the server)."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+
+    @classmethod
+    async def open(cls, port: int, **kwargs: Any) -> Client:
+        ws = await connect(
+            f"ws://127.0.0.1:{port}/v1/ws",
+            subprotocols=["wsinfer.v1.json"],  # type: ignore[list-item]
+            **kwargs,
+        )
+        return cls(ws)
+
+    async def send(self, **message: Any) -> None:
+        await self.ws.send(json.dumps(message))
+
+    async def recv(self, timeout: float = 60) -> dict[str, Any]:
+        return dict(json.loads(await asyncio.wait_for(self.ws.recv(), timeout)))
+
+    async def until(self, kind: str, timeout: float = 120) -> list[dict[str, Any]]:
+        """Every message up to and including the first of type ``kind``."""
+        out: list[dict[str, Any]] = []
+        while True:
+            message = await self.recv(timeout)
+            out.append(message)
+            if message["type"] == kind:
+                return out
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+def joined(messages: list[dict[str, Any]], after: int = 0) -> tuple[str, int]:
+    """Text of the deltas (checking seq strictly grows) and the last seq."""
+    text, seq = "", after
+    for message in messages:
+        if message["type"] == "delta":
+            assert message["seq"] > seq, f"seq went from {seq} to {message['seq']}"
+            text += message["text"]
+            seq = message["seq"]
+    return text, seq

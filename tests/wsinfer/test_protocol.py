@@ -1,0 +1,180 @@
+"""The per-connection protocol without sockets: parsing, errors, exactly-once feeds."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgpack
+import pytest
+
+from wsinfer.errors import Conflict, Overloaded
+from wsinfer.messages import Generate, JsonCodec, Limits, MsgpackCodec, Resume, SessionCommand
+from wsinfer.protocol import ConnectionProtocol
+from wsinfer.sessions.schema import DeltaEvent, DoneEvent, PausedEvent, Usage
+
+
+def sent(proto: ConnectionProtocol) -> list[dict[str, Any]]:
+    return [out.message for out in proto.data_to_send()]
+
+
+def json_proto(**limits: Any) -> ConnectionProtocol:
+    return ConnectionProtocol(JsonCodec(), Limits(**limits))
+
+
+def test_generate_is_parsed_with_params() -> None:
+    proto = json_proto()
+    msg = proto.receive(
+        json.dumps(
+            {
+                "type": "generate",
+                "id": 7,
+                "messages": [{"role": "user", "content": "hi"}],
+                "params": {"temperature": 0, "max_new_tokens": 5, "stop": ["\n"]},
+            }
+        )
+    )
+    assert isinstance(msg, Generate)
+    assert msg.id == 7 and msg.params.greedy and msg.params.stop == ("\n",)
+
+
+@pytest.mark.parametrize(
+    ("frame", "code", "echo_id"),
+    [
+        ("{not json", "bad_request", None),
+        ("[1, 2]", "bad_request", None),
+        ('{"type": "dance", "id": "x"}', "bad_request", "x"),
+        ('{"type": "generate", "id": 1}', "bad_request", 1),
+        ('{"type": "generate", "prompt": "a", "messages": []}', "bad_request", None),
+        ('{"type": "generate", "prompt": "a", "params": {"temp": 1}}', "bad_request", None),
+        ('{"type": "generate", "prompt": "a", "params": {"top_p": 0}}', "bad_request", None),
+        (
+            '{"type": "generate", "prompt": "a", "params": {"max_new_tokens": 0}}',
+            "bad_request",
+            None,
+        ),
+        ('{"type": "generate", "prompt": "a", "session": "s"}', "bad_request", None),
+        (
+            '{"type": "generate", "messages": [{"role": "robot", "content": "x"}]}',
+            "bad_request",
+            None,
+        ),
+        ('{"type": "generate", "prompt": "a", "extra": 1}', "bad_request", None),
+        ('{"type": "stop", "id": 3, "session": "s"}', "bad_request", 3),
+        ('{"type": "resume", "session": "s", "token": "t", "after": -1}', "bad_request", None),
+        ('{"type": "resume", "session": "s", "token": "t", "turn": 0}', "bad_request", None),
+        ('{"type": "generate", "prompt": "' + "x" * 101 + '"}', "too_large", None),
+    ],
+)
+def test_bad_messages_get_an_error_and_the_connection_stays_usable(
+    frame: str, code: str, echo_id: Any
+) -> None:
+    proto = json_proto(max_prompt_chars=100)
+    assert proto.receive(frame) is None
+    (error,) = sent(proto)
+    assert error["type"] == "error" and error["code"] == code and error["message"]
+    assert error.get("id") == echo_id
+    ok = proto.receive('{"type": "stop", "session": "s", "token": "t"}')
+    assert isinstance(ok, SessionCommand)
+
+
+def test_msgpack_codec_and_frame_kind_mismatch() -> None:
+    proto = ConnectionProtocol(MsgpackCodec())
+    msg = proto.receive(msgpack.packb({"type": "resume", "session": "s", "token": "t", "after": 4}))
+    assert isinstance(msg, Resume) and msg.after == 4
+    assert proto.receive("{}") is None
+    assert sent(proto)[0]["code"] == "bad_request"
+    assert proto.receive(b"\xc1") is None  # never-used msgpack byte
+    frame = proto.data_to_send()[0].frame
+    assert isinstance(frame, bytes) and msgpack.unpackb(frame)["code"] == "bad_request"
+
+
+def test_accepted_then_deltas_are_sent_once_in_order() -> None:
+    proto = json_proto()
+    proto.accepted("a", "s1", "tok", 1)
+    proto.deliver("s1", 1, [DeltaEvent(1, "He", [1]), DeltaEvent(2, "llo", [2])])
+    proto.deliver("s1", 1, [DeltaEvent(2, "llo", [2]), DeltaEvent(3, "!", [3])])  # dup of 2
+    messages = sent(proto)
+    assert messages[0] == {"type": "session", "session": "s1", "token": "tok", "turn": 1, "id": "a"}
+    # A lagging connection gets one merged delta per run.
+    assert messages[1] == {"type": "delta", "session": "s1", "turn": 1, "seq": 3, "text": "Hello!"}
+
+
+def test_deltas_without_text_advance_seq_but_send_nothing() -> None:
+    proto = json_proto()
+    proto.follow("s", 1, after=0)
+    proto.deliver("s", 1, [DeltaEvent(1, "", [240])])
+    assert sent(proto) == []
+    proto.deliver("s", 1, [DeltaEvent(2, "é", [169])])
+    assert sent(proto) == [{"type": "delta", "session": "s", "turn": 1, "seq": 2, "text": "é"}]
+
+
+def test_resume_after_seq_skips_what_the_client_has() -> None:
+    proto = json_proto()
+    proto.follow("s", 2, after=2)
+    proto.replay(
+        "s",
+        2,
+        [
+            DeltaEvent(1, "a"),
+            DeltaEvent(2, "b"),
+            PausedEvent(2),
+            DeltaEvent(3, "c"),
+            DoneEvent(3, "stop", Usage(4, 3, 0)),
+        ],
+    )
+    messages = sent(proto)
+    assert [m["type"] for m in messages] == ["delta", "done"]  # stale pause dropped
+    assert messages[0]["text"] == "c" and messages[1]["usage"]["prompt_tokens"] == 4
+    assert "s" not in proto.feeds  # done ends the feed
+    proto.deliver("s", 2, [DeltaEvent(4, "late")])
+    assert sent(proto) == []
+
+
+def test_replay_of_a_paused_turn_reports_the_pause() -> None:
+    proto = json_proto()
+    proto.follow("s", 1, after=0)
+    proto.replay("s", 1, [DeltaEvent(1, "a"), PausedEvent(1)])
+    assert [m["type"] for m in sent(proto)] == ["delta", "paused"]
+
+
+def test_following_again_restarts_the_feed_instead_of_doubling_it() -> None:
+    proto = json_proto()
+    proto.follow("s", 1, after=0)
+    proto.deliver("s", 1, [DeltaEvent(1, "a"), DeltaEvent(2, "b")])
+    sent(proto)
+    proto.follow("s", 1, after=1)
+    proto.deliver("s", 1, [DeltaEvent(2, "b"), DeltaEvent(3, "c")])
+    assert sent(proto) == [{"type": "delta", "session": "s", "turn": 1, "seq": 3, "text": "bc"}]
+    assert len(proto.feeds) == 1
+
+
+def test_events_of_another_turn_are_ignored() -> None:
+    proto = json_proto()
+    proto.follow("s", 2, after=0)
+    proto.deliver("s", 1, [DeltaEvent(1, "old")])
+    assert sent(proto) == []
+
+
+def test_done_with_error_carries_it() -> None:
+    proto = json_proto()
+    proto.follow("s", 1, after=0)
+    proto.deliver("s", 1, [DoneEvent(0, "error", Usage(), {"code": "too_large", "message": "m"})])
+    (done,) = sent(proto)
+    assert done["finish_reason"] == "error" and done["error"]["code"] == "too_large"
+
+
+def test_fail_carries_retry_after_session_and_id() -> None:
+    proto = json_proto()
+    proto.fail(Overloaded("busy", retry_after=1.5), msg_id="q", session="s")
+    proto.fail(Conflict("running"))
+    first, second = sent(proto)
+    assert first == {
+        "type": "error",
+        "code": "overloaded",
+        "message": "busy",
+        "session": "s",
+        "retry_after": 1.5,
+        "id": "q",
+    }
+    assert second["code"] == "conflict" and "id" not in second
