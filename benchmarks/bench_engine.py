@@ -1,0 +1,404 @@
+"""Benchmark EngineCore against transformers' own generation, side by side.
+
+    python benchmarks/bench_engine.py [--model SPEC] [--device cpu|cuda] [--batches 1,4,8,16]
+
+Prints markdown tables:
+
+(a) aggregate decode throughput at N concurrent requests (sampling, fixed
+    number of new tokens each): EngineCore vs ``model.generate`` on a static
+    batch of the same size vs transformers' continuous batching
+    (``generate_batch`` with a persistent, warmed-up manager);
+(b) multi-turn: time to first token of turn 2 on a long history, with the
+    session's KV cache retained vs recomputed;
+(c) with CUDA only: a 1B-class Llama (random weights, bfloat16) at batch
+    1..64 vs ``generate`` and vs a memory-bandwidth roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest
+from wsinfer.engine.model import LoadedModel, load_model
+from wsinfer.engine.prompts import render_chat
+from wsinfer.sessions.schema import GenerationParams
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain how a bicycle works.",
+    "Give me three tips for learning Python.",
+    "Why is the sky blue?",
+    "Summarize the plot of Romeo and Juliet.",
+    "What are prime numbers?",
+    "How do airplanes stay in the air?",
+]
+
+
+# --- workloads -----------------------------------------------------------------
+
+
+def chat_prompts(loaded: LoadedModel, n: int) -> list[list[int]]:
+    return [
+        render_chat(loaded.tokenizer, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+        for i in range(n)
+    ]
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def best_rate(tokens: int, fn: Callable[[], Any], repeats: int) -> float:
+    """tokens/s of the fastest of ``repeats`` runs: the least disturbed by other load."""
+    return max(tokens / timed(fn) for _ in range(max(1, repeats)))
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_engine(core: EngineCore, prompts: list[list[int]], params: GenerationParams) -> int:
+    for i, ids in enumerate(prompts):
+        core.add(EngineRequest(f"bench-{time.perf_counter_ns()}-{i}", ids, params))
+    tokens = 0
+    while core.has_unfinished():
+        tokens += sum(len(out.new_token_ids) for out in core.step())
+    return tokens
+
+
+def run_generate(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> None:
+    """transformers generate on one left-padded static batch."""
+    width = max(len(p) for p in prompts)
+    pad = loaded.tokenizer.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=loaded.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        loaded.model.generate(
+            ids,
+            attention_mask=mask.to(loaded.device),
+            do_sample=True,
+            temperature=0.7,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad,
+        )
+
+
+class TransformersCB:
+    """transformers' continuous batching with a persistent manager (warm after the first call)."""
+
+    def __init__(self, loaded: LoadedModel, new_tokens: int, max_batch: int) -> None:
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        self.loaded = loaded
+        # The persistent manager is sized by its first call unless told the real maximum.
+        self.cb_config = ContinuousBatchingConfig(max_requests_per_batch=max_batch)
+        self.config = GenerationConfig(
+            do_sample=True,
+            temperature=0.7,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            eos_token_id=-1,  # never stop early: every request makes new_tokens tokens
+            pad_token_id=loaded.tokenizer.pad_token_id or 0,
+        )
+
+    def run(self, prompts: list[list[int]]) -> int:
+        out = self.loaded.model.generate_batch(
+            prompts,
+            generation_config=self.config,
+            continuous_batching_config=self.cb_config,
+            persistent_manager=True,
+            progress_bar=False,
+        )
+        return sum(len(r.generated_tokens) for r in out.values())
+
+    def close(self) -> None:
+        destroy = getattr(self.loaded.model, "destroy_cached_continuous_batching_manager", None)
+        if destroy is not None:
+            destroy()
+
+
+# --- (a) throughput ------------------------------------------------------------------
+
+
+def throughput_table(
+    loaded: LoadedModel,
+    baseline: LoadedModel,
+    batches: list[int],
+    new_tokens: int,
+    with_cb: bool,
+    repeats: int = 1,
+    packed: LoadedModel | None = None,
+) -> list[str]:
+    """EngineCore on ``loaded`` vs transformers on ``baseline`` (a separate copy of the model).
+
+    ``packed``: a third copy for EngineCore with ``pack_cpu_weights`` (changes it in place).
+    """
+    # No early EOS: every request makes exactly new_tokens tokens on every side.
+    params = GenerationParams(max_new_tokens=new_tokens, temperature=0.7)
+    engines = [
+        EngineCore(dataclasses.replace(m, eos_token_ids=set()), EngineConfig(max(batches), **kw))
+        for m, kw in [(loaded, {}), (packed, {"pack_cpu_weights": True})]
+        if m is not None
+    ]
+    cb = TransformersCB(baseline, new_tokens, max(batches)) if with_cb else None
+    for i, core in enumerate(engines):
+        warm(core, baseline, cb if i == 0 else None)
+    rows = [
+        "| streams | EngineCore tok/s | EngineCore + pack_cpu_weights | generate (static) "
+        "| engine / generate | transformers CB | engine / CB | engine N / engine 1 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    single = 0.0
+    for n in batches:
+        prompts = chat_prompts(loaded, n)
+        total = n * new_tokens
+        rates = [
+            best_rate(total, partial(run_engine, e, prompts, params), repeats) for e in engines
+        ]
+        ours = rates[0]
+        static = best_rate(total, partial(run_generate, baseline, prompts, new_tokens), repeats)
+        single = single or ours
+        packed_cell = f"{rates[1]:.1f}" if len(rates) > 1 else "n/a"
+        cb_cell, cb_ratio = "n/a", "n/a"
+        if cb is not None:
+            cb_rate = best_rate(total, partial(cb.run, prompts), repeats)
+            cb_cell, cb_ratio = f"{cb_rate:.1f}", f"{ours / cb_rate:.2f}x"
+        rows.append(
+            f"| {n} | {ours:.1f} | {packed_cell} | {static:.1f} | {ours / static:.2f}x "
+            f"| {cb_cell} | {cb_ratio} | {ours / single:.2f}x |"
+        )
+        print(rows[-1], file=sys.stderr, flush=True)
+    if cb is not None:
+        cb.close()
+    return rows
+
+
+def warm(core: EngineCore, loaded: LoadedModel, cb: TransformersCB | None) -> None:
+    prompts = chat_prompts(loaded, 2)
+    run_engine(core, prompts, GenerationParams(max_new_tokens=8, temperature=0.7))
+    run_generate(loaded, prompts, 8)
+    if cb is not None:
+        cb.run(prompts)
+
+
+# --- (b) multi-turn TTFT ------------------------------------------------------------
+
+
+def long_history(loaded: LoadedModel, target_tokens: int) -> list[dict[str, str]]:
+    """A synthetic conversation of about ``target_tokens`` tokens."""
+    filler = (
+        "Here is some more context about the project: the service streams tokens over "
+        "WebSockets, keeps sessions in Redis and resumes them after disconnects. "
+    )
+    messages: list[dict[str, str]] = []
+    while len(render_chat(loaded.tokenizer, messages or [{"role": "user", "content": ""}])) < (
+        target_tokens
+    ):
+        messages.append({"role": "user", "content": filler * 4})
+        messages.append({"role": "assistant", "content": "Understood. " + filler * 2})
+    messages.append({"role": "user", "content": "Please summarise what I told you."})
+    return messages
+
+
+def time_to_first_token(core: EngineCore, request: EngineRequest) -> tuple[float, list[int]]:
+    sync()
+    start = time.perf_counter()
+    core.add(request)
+    first = 0.0
+    tokens: list[int] = []
+    while core.has_unfinished():
+        for out in core.step():
+            if out.new_token_ids and not first:
+                sync()
+                first = time.perf_counter() - start
+            tokens += out.new_token_ids
+    return first, tokens
+
+
+def multiturn_table(loaded: LoadedModel, history_tokens: int, repeats: int = 3) -> list[str]:
+    params = GenerationParams(max_new_tokens=16, temperature=0.0)
+    messages = long_history(loaded, history_tokens)
+    turn1 = render_chat(loaded.tokenizer, messages)
+    core = EngineCore(loaded)
+    with_kv, without_kv, cached = [], [], 0
+    for r in range(repeats):
+        key = f"session-{r}"
+        first = EngineRequest(f"t1-{r}", turn1, params, cache_key=key)
+        _, answer = time_to_first_token(core, first)
+        reply = loaded.tokenizer.decode(answer, skip_special_tokens=True)
+        follow = [
+            *messages,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And in one word?"},
+        ]
+        turn2 = render_chat(loaded.tokenizer, follow)
+        hit, _ = time_to_first_token(core, EngineRequest(f"t2-{r}", turn2, params, cache_key=key))
+        cached = core.store.length(key) and len(turn2)
+        miss, _ = time_to_first_token(core, EngineRequest(f"t2-miss-{r}", turn2, params))
+        with_kv.append(hit)
+        without_kv.append(miss)
+    hit, miss = min(with_kv), min(without_kv)
+    return [
+        "| turn-2 prompt tokens | TTFT with retained KV | TTFT recomputed | ratio |",
+        "|---|---|---|---|",
+        f"| {cached} | {hit * 1000:.0f} ms | {miss * 1000:.0f} ms | {hit / miss:.3f} |",
+    ]
+
+
+# --- (c) GPU ------------------------------------------------------------------------------
+
+
+def gpu_model(
+    tokenizer_source: LoadedModel, device: str = "cuda", smoke: bool = False
+) -> LoadedModel:
+    """A Llama-3.2-1B-shaped model with random bf16 weights (vocab kept to the tokenizer's).
+
+    ``smoke``: a tiny model of the same shape family, to check the code path without a GPU.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tok = tokenizer_source.tokenizer
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128 if smoke else 2048,
+        intermediate_size=256 if smoke else 8192,
+        num_hidden_layers=2 if smoke else 16,
+        num_attention_heads=4 if smoke else 32,
+        num_key_value_heads=2 if smoke else 8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).eval()
+    return LoadedModel(model, tok, "llama-1b-random", torch.device(device), set(), 4096)
+
+
+def copy_bandwidth(device: str = "cuda") -> float:
+    """Device-to-device copy bandwidth in bytes/s (each byte read once and written once)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = timed(lambda: [dst.copy_(src) for _ in range(10)]) / 10
+    return 2 * src.numel() / seconds
+
+
+def roofline(loaded: LoadedModel, batch: int, context: int, bandwidth: float) -> float:
+    """tok/s if each decode step only had to stream the weights and the batch's KV once."""
+    cfg = loaded.model.config
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * context * batch
+    return batch / ((weights + kv) / bandwidth)
+
+
+def gpu_table(
+    tokenizer_source: LoadedModel,
+    new_tokens: int,
+    device: str = "cuda",
+    smoke: bool = False,
+    batches: tuple[int, ...] = (1, 4, 8, 16, 32, 64),
+    with_cb: bool = True,
+) -> list[str]:
+    loaded = gpu_model(tokenizer_source, device, smoke)
+    bandwidth = copy_bandwidth(device)
+    params = GenerationParams(max_new_tokens=new_tokens, temperature=0.7)
+    core = EngineCore(loaded, EngineConfig(max_batch_size=max(batches)))
+    cb = TransformersCB(loaded, new_tokens, max(batches)) if with_cb else None
+    warm(core, loaded, cb)
+    rows = [
+        f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; weights "
+        f"{sum(p.numel() for p in loaded.model.parameters()) / 1e9:.2f} B params (bf16)",
+        "",
+        "| streams | EngineCore tok/s | generate (static) | engine / generate "
+        "| transformers CB | engine / CB | roofline tok/s | engine / roofline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n in batches:
+        prompts = chat_prompts(loaded, n)
+        total = n * new_tokens
+        ours = best_rate(total, partial(run_engine, core, prompts, params), 1)
+        static = best_rate(total, partial(run_generate, loaded, prompts, new_tokens), 1)
+        cb_rate = best_rate(total, partial(cb.run, prompts), 1) if cb else float("nan")
+        context = max(len(p) for p in prompts) + new_tokens // 2
+        roof = roofline(loaded, n, context, bandwidth)
+        rows.append(
+            f"| {n} | {ours:.0f} | {static:.0f} | {ours / static:.2f}x | {cb_rate:.0f} "
+            f"| {ours / cb_rate:.2f}x | {roof:.0f} | {ours / roof:.2f} |"
+        )
+        print(rows[-1], file=sys.stderr, flush=True)
+    if cb is not None:
+        cb.close()
+    return rows
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2-135M)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batches", default="1,4,8,16")
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--history-tokens", type=int, default=1500)
+    parser.add_argument("--no-cb", action="store_true", help="skip transformers' own CB")
+    parser.add_argument("--no-packed", action="store_true", help="skip pack_cpu_weights")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the best counts")
+    parser.add_argument("--only", choices=["a", "b", "c"], help="run one section")
+    args = parser.parse_args(argv)
+    for name in ("transformers", "ContinuousBatchingLogger"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    print(
+        f"# bench_engine: {loaded.name} on {args.device} ({args.dtype}), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads\n"
+    )
+    if args.only in (None, "a"):
+        batches = [int(b) for b in args.batches.split(",")]
+        print(f"## (a) throughput, sampling, {args.new_tokens} new tokens per stream\n")
+        baseline = load_model(args.model, device=args.device, dtype=args.dtype)
+        packable = args.device == "cpu" and args.dtype == "float32" and not args.no_packed
+        packed = load_model(args.model, device=args.device, dtype=args.dtype) if packable else None
+        table = throughput_table(
+            loaded, baseline, batches, args.new_tokens, not args.no_cb, args.repeats, packed
+        )
+        print("\n".join(table) + "\n")
+        del baseline, packed
+    if args.only in (None, "b"):
+        print(f"## (b) multi-turn time to first token, ~{args.history_tokens}-token history\n")
+        print("\n".join(multiturn_table(loaded, args.history_tokens)) + "\n")
+    if args.only in (None, "c") and torch.cuda.is_available():
+        print("## (c) GPU: 1B-class Llama, random weights, bfloat16\n")
+        print("\n".join(gpu_table(loaded, args.new_tokens, with_cb=not args.no_cb)) + "\n")
+    elif args.only == "c":
+        print("## (c) skipped: CUDA is not available\n")
+
+
+if __name__ == "__main__":
+    main()

