@@ -274,6 +274,8 @@ class EngineProcess:
             events.append(_final_event(out))
             fields["kv_engine"] = self.config.engine_id if out.kv_len else ""
             fields["kv_len"] = out.kv_len or 0
+            # Kept for a stop that ends the turn later without the engine (paused, then stopped).
+            fields["cached_tokens"] = out.usage.cached_tokens if out.usage else 0
         turn.seq = out.num_generated
         return Publish(turn.session, turn.turn, turn.epoch, out.num_generated, events, fields)
 

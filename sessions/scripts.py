@@ -12,13 +12,22 @@ current status), ``stale`` (the session moved on to another turn) or
 
 from __future__ import annotations
 
-# Shared Lua prelude: membership test for the comma-separated status list.
+# Shared Lua prelude: membership test for the comma-separated status list, and
+# ending a turn as cancelled (a client's stop), used by CONTROL and PUBLISH.
 _PRELUDE = """
 local function allowed(status, list)
   for s in string.gmatch(list, '[^,]+') do
     if s == status then return true end
   end
   return false
+end
+local function cancel(meta, stream, seq, done_status)
+  local usage = {prompt_tokens = tonumber(redis.call('HGET', meta, 'prompt_tokens')) or 0,
+                 completion_tokens = seq,
+                 cached_tokens = tonumber(redis.call('HGET', meta, 'cached_tokens')) or 0}
+  redis.call('XADD', stream, '*', 'm', cmsgpack.pack(
+    {kind = 'done', seq = seq, finish_reason = 'cancelled', usage = usage}))
+  redis.call('HSET', meta, 'status', done_status, 'control', '')
 end
 """
 
@@ -44,7 +53,7 @@ if redis.call('HGET', meta, 'mode') ~= ARGV[4] then
 end
 if tonumber(redis.call('HGET', meta, 'turn')) + 1 ~= tonumber(ARGV[3]) then return {'stale'} end
 redis.call('HSET', meta, 'turn', ARGV[3], 'status', ARGV[9], 'seq', 0, 'control', '',
-           'engine', '', 'seen_at', ARGV[6], 'prompt_tokens', 0)
+           'engine', '', 'seen_at', ARGV[6], 'prompt_tokens', 0, 'cached_tokens', 0)
 redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[7])
 redis.call('EXPIRE', meta, ARGV[7])
 return {'ok'}
@@ -52,9 +61,11 @@ return {'ok'}
 )
 
 # Client stop/pause/resume. The candidates are tried in order; the first whose
-# allowed statuses include the current one is applied.
+# allowed statuses include the current one is applied. A client acting on a
+# session is watching it: seen_at is renewed, so a resumed turn is not taken
+# for idle the moment an engine claims it.
 # KEYS: meta, turn_stream
-# ARGV: token_hash, turn, ttl, n, then n times (allowed_from, target, effect)
+# ARGV: token_hash, turn, ttl, now, n, then n times (allowed_from, target, effect)
 # effects: control:<value> | done_cancelled | paused | requeue
 CONTROL = (
     _PRELUDE
@@ -66,18 +77,14 @@ end
 if redis.call('HGET', meta, 'turn') ~= ARGV[2] then return {'stale'} end
 local status = redis.call('HGET', meta, 'status')
 local seq = tonumber(redis.call('HGET', meta, 'seq'))
-for i = 0, tonumber(ARGV[4]) - 1 do
-  local from, to, effect = ARGV[5 + 3 * i], ARGV[6 + 3 * i], ARGV[7 + 3 * i]
+for i = 0, tonumber(ARGV[5]) - 1 do
+  local from, to, effect = ARGV[6 + 3 * i], ARGV[7 + 3 * i], ARGV[8 + 3 * i]
   if allowed(status, from) then
-    redis.call('HSET', meta, 'status', to)
+    redis.call('HSET', meta, 'status', to, 'seen_at', ARGV[4])
     if string.sub(effect, 1, 8) == 'control:' then
       redis.call('HSET', meta, 'control', string.sub(effect, 9))
     elseif effect == 'done_cancelled' then
-      local usage = {prompt_tokens = tonumber(redis.call('HGET', meta, 'prompt_tokens')),
-                     completion_tokens = seq, cached_tokens = 0}
-      redis.call('XADD', KEYS[2], '*', 'm', cmsgpack.pack(
-        {kind = 'done', seq = seq, finish_reason = 'cancelled', usage = usage}))
-      redis.call('HSET', meta, 'control', '')
+      cancel(meta, KEYS[2], seq, to)
     elseif effect == 'paused' then
       redis.call('XADD', KEYS[2], '*', 'm', cmsgpack.pack({kind = 'paused', seq = seq}))
     elseif effect == 'requeue' then
@@ -91,6 +98,18 @@ end
 return {'illegal', status, tostring(seq)}
 """
 )
+
+# Frontend: mark a followed session watched (idle pause) and push back the
+# expiry of all its keys. A session closed meanwhile stays gone: a blind HSET
+# would re-create its meta as a stub.
+# KEYS: meta, then every other key of the session
+# ARGV: now, ttl
+TOUCH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'seen_at', ARGV[1])
+for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+return 1
+"""
 
 # Engine: take a turn. A takeover (lease expired) bumps the epoch, which fences
 # the previous engine's later publishes.
@@ -113,9 +132,14 @@ return reply
 )
 
 # Engine: append one step's events for a turn, fenced by the claim's epoch.
+# A stop the client asked for while the engine was pausing the turn (the engine
+# decided to pause, idle or asked to, before it saw the stop flag) is applied
+# here: the turn goes paused --stop--> done at once, with a cancelled done in
+# place of the paused event, instead of the pause silently dropping the stop.
 # KEYS: meta, turn_stream
 # ARGV: engine_id, epoch, ttl, seq, final_allowed_from ('' = not final),
-#       final_target, n_events, events..., then field/value pairs to set
+#       final_target, stop_allowed_from, stop_target ('' = no pending stop to
+#       apply), n_events, events..., then field/value pairs to set
 PUBLISH = (
     _PRELUDE
     + """
@@ -125,15 +149,23 @@ if redis.call('HGET', meta, 'engine') ~= ARGV[1] or redis.call('HGET', meta, 'ep
 then
   return {'fenced'}
 end
-local n = tonumber(ARGV[7])
-for i = 1, n do redis.call('XADD', KEYS[2], '*', 'm', ARGV[7 + i]) end
+local final = ARGV[5] ~= ''
+local status = redis.call('HGET', meta, 'status')
+if final and not allowed(status, ARGV[5]) then return {'illegal', status} end
+local stop_pending = final and ARGV[8] ~= '' and redis.call('HGET', meta, 'control') == 'stop'
+  and allowed(ARGV[6], ARGV[7])
+local n = tonumber(ARGV[9])
+local written = n
+if stop_pending then written = n - 1 end  -- the paused event gives way to the done
+for i = 1, written do redis.call('XADD', KEYS[2], '*', 'm', ARGV[9 + i]) end
 redis.call('HSET', meta, 'seq', ARGV[4])
-for i = 8 + n, #ARGV, 2 do redis.call('HSET', meta, ARGV[i], ARGV[i + 1]) end
-if ARGV[5] ~= '' then
-  local status = redis.call('HGET', meta, 'status')
-  if not allowed(status, ARGV[5]) then return {'illegal', status} end
-  redis.call('HSET', meta, 'status', ARGV[6], 'engine', '', 'control', '')
+for i = 10 + n, #ARGV, 2 do redis.call('HSET', meta, ARGV[i], ARGV[i + 1]) end
+if stop_pending then
+  cancel(meta, KEYS[2], tonumber(ARGV[4]), ARGV[8])
+elseif final then
+  redis.call('HSET', meta, 'status', ARGV[6], 'control', '')
 end
+if final then redis.call('HSET', meta, 'engine', '') end
 redis.call('EXPIRE', meta, ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return {'ok', redis.call('HGET', meta, 'control'), redis.call('HGET', meta, 'seen_at')}

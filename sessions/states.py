@@ -16,6 +16,9 @@ computed here, and refuses anything else. A refused action raises
 ``pause`` and ``stop`` of a *running* turn do not change the status: they set a
 control flag that the engine running the turn acts on between decode steps,
 after which the engine itself moves the turn on (``engine_pause``/``finish``).
+A stop flag that meets the engine's own pause (the engine paused the turn for
+being idle before it saw the flag) is applied in the same script: the turn
+goes ``paused --stop--> done`` at once, so a stop is never lost.
 """
 
 from __future__ import annotations

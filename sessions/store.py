@@ -94,6 +94,7 @@ class SessionStore:
         self.ttl_s = ttl_s
         self._start = redis.register_script(scripts.START_TURN)
         self._control = redis.register_script(scripts.CONTROL)
+        self._touch = redis.register_script(scripts.TOUCH)
 
     async def create(self, turn_input: TurnInput) -> tuple[str, str]:
         """New session with its first turn queued; returns (session, token)."""
@@ -163,7 +164,7 @@ class SessionStore:
     async def control(self, session: str, token: str, turn: int, action: str) -> ControlResult:
         """Apply a client's stop/pause/resume to ``turn`` atomically."""
         candidates = _CONTROL_CANDIDATES[action]
-        args: list[Any] = [hash_token(token), turn, self.ttl_s, len(candidates)]
+        args: list[Any] = [hash_token(token), turn, self.ttl_s, int(time.time()), len(candidates)]
         for act, effect in candidates:
             args += [",".join(s.value for s in allowed_from(act)), target(act).value, effect]
         reply = [
@@ -193,9 +194,9 @@ class SessionStore:
         now = int(time.time())
         pipe: Pipeline = self.redis.pipeline(transaction=False)
         for session, turns in sessions.items():
-            pipe.hset(keys.meta(session), "seen_at", now)
-            for key in keys.session_keys(session, turns):
-                pipe.expire(key, self.ttl_s)
+            await self._touch(
+                keys=keys.session_keys(session, turns), args=[now, self.ttl_s], client=pipe
+            )  # queued: the pipeline runs them all at once
         await pipe.execute()
 
     async def read_turn(self, session: str, turn: int) -> tuple[list[TurnEvent], str]:

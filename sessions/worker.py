@@ -267,6 +267,9 @@ class WorkerStore:
 
     def _publish_args(self, item: Publish) -> list[Any]:
         final = item.final_action
+        # A pause can meet a stop the client sent meanwhile: the script then
+        # applies the stop (the table's paused --stop--> done) in the same call.
+        stop = final is Action.ENGINE_PAUSE
         args: list[Any] = [
             self.engine_id,
             item.epoch,
@@ -274,6 +277,8 @@ class WorkerStore:
             item.seq,
             _csv(allowed_from(final)) if final else "",
             target(final).value if final else "",
+            _csv(allowed_from(Action.STOP)) if stop else "",
+            target(Action.STOP).value if stop else "",
             len(item.events),
         ]
         args += [encode(event)["m"] for event in item.events]

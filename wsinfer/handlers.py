@@ -79,6 +79,9 @@ class Handlers:
         # Replay the history, then follow live from the last entry read, so
         # nothing falls between the two; anything sent twice is dropped by seq.
         self.protocol.follow(session, turn, after)
+        # Watched from now on, not from the next touch tick: a running turn
+        # must not be idle-paused under a client that has just come back.
+        await self.store.touch({session: turn})
         events, last_id = await self.store.read_turn(session, turn)
         self.protocol.replay(session, turn, events)
         if session in self.protocol.feeds:  # not yet done

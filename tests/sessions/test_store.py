@@ -3,6 +3,8 @@ fencing, takeover, and the failure answers (not_found, conflict, mode)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -214,10 +216,73 @@ async def test_touch_marks_sessions_watched_and_extends_ttl(
     store: SessionStore, redis_client: redis.Redis
 ) -> None:
     session, _ = await store.create(CHAT)
+    redis_client.hset(keys.meta(session), "seen_at", 0)
     redis_client.expire(keys.meta(session), 5)
+    redis_client.expire(keys.turn_input(session, 1), 5)
     await store.touch({session: 1})
     assert redis_client.ttl(keys.meta(session)) > 5
-    assert float(redis_client.hget(keys.meta(session), "seen_at")) > 0
+    assert redis_client.ttl(keys.turn_input(session, 1)) > 5
+    assert float(redis_client.hget(keys.meta(session), "seen_at")) > time.time() - 5
+
+
+async def test_touch_does_not_bring_back_a_closed_session(
+    store: SessionStore, redis_client: redis.Redis
+) -> None:
+    session, token = await store.create(CHAT)
+    await store.close(session, token)
+    await store.touch({session: 1})  # a follower on another connection, a moment late
+    assert not redis_client.exists(*keys.session_keys(session, 1))
+
+
+async def test_a_stop_that_meets_the_engines_pause_still_cancels_the_turn(
+    store: SessionStore, worker: WorkerStore
+) -> None:
+    # The engine decided to pause (idle) before it saw the client's stop flag.
+    session, token = await store.create(CHAT)
+    _, claimed = _claim_next(worker)
+    assert (await store.control(session, token, 1, "stop")).effect == "control:stop"
+    worker.publish_many(
+        [
+            Publish(
+                session,
+                1,
+                claimed.epoch,
+                2,
+                [DeltaEvent(2, "ab", [1, 2]), PausedEvent(2)],
+                {"prompt_tokens": 7, "cached_tokens": 5},
+            )
+        ]
+    )
+    assert (await store.info(session, token)).status == "done"
+    events, _ = await store.read_turn(session, 1)
+    assert [type(e) for e in events] == [DeltaEvent, DoneEvent]  # no stale paused
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.finish_reason == "cancelled"
+    assert (done.seq, done.usage) == (2, Usage(7, 2, 5))
+    assert await store.add_turn(session, token, CHAT) == 2  # the session moves on
+
+
+async def test_an_engine_pause_without_a_pending_stop_stays_paused(
+    store: SessionStore, worker: WorkerStore
+) -> None:
+    session, token = await store.create(CHAT)
+    _, claimed = _claim_next(worker)
+    await store.control(session, token, 1, "pause")
+    worker.publish_many([Publish(session, 1, claimed.epoch, 1, [PausedEvent(1)])])
+    assert (await store.info(session, token)).status == "paused"
+    events, _ = await store.read_turn(session, 1)
+    assert events == [PausedEvent(1)]
+
+
+async def test_resume_marks_the_session_watched(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    # Else the engine that claims the resumed turn finds it idle and pauses it again.
+    session, token = await store.create(CHAT)
+    await store.control(session, token, 1, "pause")
+    redis_client.hset(keys.meta(session), "seen_at", 0)
+    await store.control(session, token, 1, "resume")
+    assert float(redis_client.hget(keys.meta(session), "seen_at")) > time.time() - 5
 
 
 async def test_engines_alive_and_queue_depth(store: SessionStore, worker: WorkerStore) -> None:
