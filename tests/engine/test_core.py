@@ -70,6 +70,26 @@ def test_batched_greedy_matches_single_sequence_decoding(tiny: LoadedModel) -> N
         assert last.finished and last.finish_reason == "length" and last.num_generated == n
 
 
+def test_cpu_float32_weights_are_packed_by_default_with_the_same_output(
+    tiny: LoadedModel,
+) -> None:
+    from tests.models import tiny_model_dir
+    from wsinfer.engine.cpu_linear import PackedLinear
+    from wsinfer.engine.model import load_model
+
+    fresh = load_model(str(tiny_model_dir()))  # a copy of our own: packing changes it in place
+    unpacked = load_model(str(tiny_model_dir()))
+    cores = [EngineCore(fresh), EngineCore(unpacked, EngineConfig(pack_cpu_weights=False))]
+    assert any(isinstance(m, PackedLinear) for m in fresh.model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in unpacked.model.modules())
+    ids = prompt(tiny.tokenizer, PROMPTS[1])
+    runs = []
+    for core in cores:
+        core.add(request("r", ids, dataclasses.replace(GREEDY, max_new_tokens=24)))
+        runs.append(tokens_of(run_all(core)["r"]))
+    assert runs[0] == runs[1] and len(runs[0]) == 24
+
+
 def test_outputs_carry_seq_and_text(tiny: LoadedModel) -> None:
     core = EngineCore(tiny)
     ids = prompt(tiny.tokenizer, "Hello there")
