@@ -20,6 +20,17 @@ def _env(name: str, default: Any = None) -> Any:
     return os.environ.get(f"WSINFER_{name}", default)
 
 
+def _env_flag(name: str) -> bool:
+    return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
+    return value
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-format", choices=["console", "json"], default=_env("LOG_FORMAT", "console")
@@ -56,7 +67,27 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default=_env("DTYPE", "float32"), choices=["float32", "bfloat16", "float16"]
     )
-    parser.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", 16)))
+    parser.add_argument(
+        "--max-batch-size", type=_positive_int, default=_env("MAX_BATCH_SIZE", "16")
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=_positive_int,
+        default=_env("PREFILL_CHUNK", "512"),
+        help="prompt tokens prefilled per step, so running streams never wait long",
+    )
+    parser.add_argument(
+        "--kv-cache-mb",
+        type=_positive_int,
+        default=_env("KV_CACHE_MB", "2048"),
+        help="memory for the KV caches kept for paused and finished turns (LRU)",
+    )
+    parser.add_argument(
+        "--kv-offload-cpu",
+        action="store_true",
+        default=_env_flag("KV_OFFLOAD_CPU"),
+        help="keep those caches in host memory instead of on the GPU",
+    )
     parser.add_argument(
         "--idle-pause",
         type=float,
@@ -126,6 +157,10 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
         args.dtype,
         "--max-batch-size",
         str(args.max_batch_size),
+        "--prefill-chunk",
+        str(args.prefill_chunk),
+        "--kv-cache-mb",
+        str(args.kv_cache_mb),
         "--idle-pause",
         str(args.idle_pause),
         "--threads",
@@ -135,6 +170,7 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
         "--log-level",
         args.log_level,
     ]
+    argv += ["--kv-offload-cpu"] if args.kv_offload_cpu else []
     return argv + (["--model", args.model] if args.model else [])
 
 
@@ -162,8 +198,10 @@ def run_frontend(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_engine_command(args: argparse.Namespace) -> int:
-    from wsinfer.engine.process import ProcessConfig, run_engine
+def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The engine process's and its core's settings, from ``wsinfer engine``'s flags."""
+    from wsinfer.engine.core import EngineConfig
+    from wsinfer.engine.process import ProcessConfig
 
     config = ProcessConfig(
         max_batch_size=args.max_batch_size,
@@ -174,11 +212,31 @@ def run_engine_command(args: argparse.Namespace) -> int:
     )
     if args.engine_id:
         config.engine_id = args.engine_id
+    core = EngineConfig(
+        max_batch_size=args.max_batch_size,
+        prefill_chunk_tokens=args.prefill_chunk,
+        kv_cache_bytes=args.kv_cache_mb << 20,
+        kv_offload_cpu=args.kv_offload_cpu,
+    )
+    return config, core
+
+
+def run_engine_command(args: argparse.Namespace) -> int:
+    from wsinfer.engine.process import run_engine
+
+    config, core_config = engine_configs(args)
     if args.threads > 0:
         import torch
 
         torch.set_num_threads(args.threads)
-    run_engine(args.redis_url, args.model, device=args.device, dtype=args.dtype, config=config)
+    run_engine(
+        args.redis_url,
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        config=config,
+        core_config=core_config,
+    )
     return 0
 
 

@@ -1,0 +1,62 @@
+"""The command line: engine settings reach the engine, from flags or WSINFER_* variables,
+and `wsinfer serve` hands its engine the same settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from wsinfer.cli import _engine_argv, build_parser, engine_configs
+
+
+def engine_args(*argv: str):  # type: ignore[no-untyped-def]
+    return build_parser().parse_args(["engine", *argv])
+
+
+def test_engine_flags_reach_the_engine_configs() -> None:
+    config, core = engine_configs(
+        engine_args(
+            "--max-batch-size", "32", "--prefill-chunk", "256", "--kv-cache-mb", "100",
+            "--kv-offload-cpu", "--idle-pause", "7", "--engine-id", "gpu0",
+        )
+    )  # fmt: skip
+    assert (config.max_batch_size, config.idle_pause_s, config.engine_id) == (32, 7.0, "gpu0")
+    assert core.max_batch_size == 32 and core.prefill_chunk_tokens == 256
+    assert core.kv_cache_bytes == 100 << 20 and core.kv_offload_cpu is True
+
+
+def test_defaults_keep_kv_on_the_device_within_two_gib() -> None:
+    _, core = engine_configs(engine_args())
+    assert core.kv_cache_bytes == 2 << 30 and core.kv_offload_cpu is False
+    assert core.prefill_chunk_tokens == 512 and core.max_batch_size == 16
+
+
+def test_environment_variables_set_the_same_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WSINFER_KV_CACHE_MB", "64")
+    monkeypatch.setenv("WSINFER_KV_OFFLOAD_CPU", "true")
+    monkeypatch.setenv("WSINFER_MAX_BATCH_SIZE", "8")
+    _, core = engine_configs(engine_args())
+    assert (core.kv_cache_bytes, core.kv_offload_cpu, core.max_batch_size) == (64 << 20, True, 8)
+
+
+def test_serve_hands_its_engine_the_same_settings() -> None:
+    serve = build_parser().parse_args(
+        ["serve", "--kv-cache-mb", "10", "--kv-offload-cpu", "--prefill-chunk", "64",
+         "--max-batch-size", "4", "--model", "/models/m"]
+    )  # fmt: skip
+    engine = engine_args(*_engine_argv(serve))
+    assert engine.model == "/models/m"
+    assert engine_configs(engine)[1] == engine_configs(
+        engine_args("--kv-cache-mb", "10", "--kv-offload-cpu", "--prefill-chunk", "64",
+                    "--max-batch-size", "4")
+    )[1]  # fmt: skip
+
+
+@pytest.mark.parametrize("flag", ["--kv-cache-mb", "--prefill-chunk", "--max-batch-size"])
+@pytest.mark.parametrize("value", ["0", "-5", "lots"])
+def test_bad_sizes_are_refused_with_a_message(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        engine_args(flag, value)
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
