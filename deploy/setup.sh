@@ -16,7 +16,17 @@ apt_install() {  # Debian packages, only when missing and only where we may inst
     echo "setup: please install: ${missing[*]}" >&2
     return 1
   fi
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+  echo "setup: apt-get install ${missing[*]}"
+  # dpkg prints hundreds of lines; keep them for when something goes wrong.
+  local log
+  log=$(mktemp)
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } \
+    >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    return 1
+  fi
+  rm -f "$log"
 }
 
 [[ -x .venv/bin/python ]] || "${PYTHON:-python3}" -m venv .venv
