@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -314,6 +315,34 @@ def roofline(loaded: LoadedModel, batch: int, context: int, bandwidth: float) ->
     return batch / ((weights + kv) / bandwidth)
 
 
+def syncs_per_step(core: EngineCore, prompts: list[list[int]], steps: int = 20) -> float | None:
+    """Host-device synchronisations per steady decode step (CUDA only; the engine aims for one).
+
+    Counted with torch's sync debug mode, which warns at every synchronising CUDA call.
+    """
+    if core.device.type != "cuda":
+        return None
+    params = GenerationParams(max_new_tokens=steps + 8, temperature=0.7)
+    ids = [f"sync-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        core.add(EngineRequest(rid, prompt, params))
+    while core.num_waiting:  # past the prefill: only decode steps are counted
+        core.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                core.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for rid in ids:
+        core.abort(rid)
+    while core.has_unfinished():
+        core.step()
+    return sum("synchroniz" in str(w.message) for w in caught) / steps
+
+
 def gpu_table(
     tokenizer_source: LoadedModel,
     new_tokens: int,
@@ -351,6 +380,9 @@ def gpu_table(
         print(rows[-1], file=sys.stderr, flush=True)
     if cb is not None:
         cb.close()
+    syncs = syncs_per_step(core, chat_prompts(loaded, max(batches)))
+    counted = "n/a (not CUDA)" if syncs is None else f"{syncs:.2f}"
+    rows += ["", f"Host syncs per decode step at {max(batches)} streams: {counted} (goal: 1)"]
     return rows
 
 

@@ -65,6 +65,7 @@ def test_gpu_section_runs_on_its_cpu_stand_in(bench_engine: ModuleType) -> None:
         tiny(), new_tokens=4, device="cpu", smoke=True, batches=(1, 2), with_cb=False
     )
     assert [row[0] for row in data_rows(table)] == ["1", "2"]
+    assert table[-1].startswith("Host syncs per decode step at 2 streams: n/a")
 
 
 def test_bench_stream_measures_the_service_against_the_engine(
