@@ -21,6 +21,8 @@ MSGPACK_SUBPROTOCOL = "wsinfer.v1.msgpack"
 SUBPROTOCOLS = (JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL)
 
 ROLES = frozenset({"system", "user", "assistant"})
+# The server echoes a client's id: a long one would be sent back in every answer.
+MAX_ID_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ def parse_client_message(data: Any, limits: Limits) -> ClientMessage:
     parser = _PARSERS.get(kind) if isinstance(kind, str) else None
     if parser is None:
         raise BadRequest(f"unknown message type {kind!r}")
+    if "id" in data and message_id(data) is None:
+        # Acting on it while dropping the id would leave the client waiting for an answer.
+        raise BadRequest(f"id must be an integer or a string of at most {MAX_ID_CHARS} chars")
     return parser(data, limits)
 
 
@@ -78,7 +83,9 @@ def message_id(data: Any) -> str | int | None:
     """The client's ``id``, if it is a usable one (echoed even on errors)."""
     if isinstance(data, dict):
         value = data.get("id")
-        if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        if isinstance(value, str) and len(value) <= MAX_ID_CHARS:
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
 

@@ -64,6 +64,14 @@ def test_generate_is_parsed_with_params() -> None:
         ('{"type": "resume", "session": "s", "token": "t", "after": -1}', "bad_request", None),
         ('{"type": "resume", "session": "s", "token": "t", "turn": 0}', "bad_request", None),
         ('{"type": "generate", "prompt": "' + "x" * 101 + '"}', "too_large", None),
+        ('{"type": "stop", "session": "s", "token": "t", "id": 1.5}', "bad_request", None),
+        ('{"type": "stop", "session": "s", "token": "t", "id": [1]}', "bad_request", None),
+        ('{"type": "stop", "session": "s", "token": "t", "id": true}', "bad_request", None),
+        (
+            '{"type": "stop", "session": "s", "token": "t", "id": "' + "i" * 257 + '"}',
+            "bad_request",
+            None,
+        ),
     ],
 )
 def test_bad_messages_get_an_error_and_the_connection_stays_usable(
