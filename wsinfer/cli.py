@@ -1,7 +1,8 @@
 """The ``wsinfer`` command: serve, frontend, engine, chat.
 
 Every flag also reads an environment variable (``WSINFER_<FLAG>``), so the
-same settings work from a shell, a unit file or a container.
+same settings work from a shell, a unit file or a container. Defaults are
+strings so that argparse checks a variable's value with the flag's own type.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def _add_frontend(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(_env("PORT", 8000)))
+    parser.add_argument("--port", type=int, default=_env("PORT", "8000"))
     parser.add_argument(
         "--api-key",
         action="append",
@@ -50,11 +51,11 @@ def _add_frontend(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--session-ttl",
-        type=int,
-        default=int(_env("SESSION_TTL", 3600)),
+        type=_positive_int,
+        default=_env("SESSION_TTL", "3600"),
         help="seconds a session lives after its last activity",
     )
-    parser.add_argument("--max-queued-turns", type=int, default=int(_env("MAX_QUEUED_TURNS", 256)))
+    parser.add_argument("--max-queued-turns", type=int, default=_env("MAX_QUEUED_TURNS", "256"))
 
 
 def _add_engine(parser: argparse.ArgumentParser) -> None:
@@ -91,13 +92,13 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--idle-pause",
         type=float,
-        default=float(_env("IDLE_PAUSE", 60)),
+        default=_env("IDLE_PAUSE", "60"),
         help="pause a turn no client has watched for this many seconds",
     )
     parser.add_argument(
         "--threads",
         type=int,
-        default=int(_env("THREADS", 0)),
+        default=_env("THREADS", "0"),
         help="CPU threads for torch (default: torch's choice; set it on shared hosts)",
     )
 
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine(engine)
     engine.add_argument("--redis-url", default=_env("REDIS_URL", DEFAULT_REDIS_URL))
     engine.add_argument("--engine-id", default=_env("ENGINE_ID"))
-    engine.add_argument("--lease-ms", type=int, default=int(_env("LEASE_MS", 10_000)))
+    engine.add_argument("--lease-ms", type=_positive_int, default=_env("LEASE_MS", "10000"))
     engine.add_argument("--drain", action="store_true", help="exit when no work is left")
     engine.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     _add_common(engine)

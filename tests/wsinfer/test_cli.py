@@ -60,3 +60,39 @@ def test_bad_sizes_are_refused_with_a_message(
         engine_args(flag, value)
     assert exited.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "flag"),
+    [
+        ("WSINFER_SESSION_TTL", "soon", "--session-ttl"),
+        ("WSINFER_SESSION_TTL", "0", "--session-ttl"),  # EXPIRE 0 would delete every session
+        ("WSINFER_LEASE_MS", "0", "--lease-ms"),  # every turn would look abandoned
+        ("WSINFER_IDLE_PAUSE", "a minute", "--idle-pause"),
+        ("WSINFER_PORT", "http", "--port"),
+    ],
+)
+def test_a_bad_environment_value_is_refused_like_a_bad_flag(
+    variable: str,
+    value: str,
+    flag: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv(variable, value)
+    command = "frontend" if flag in ("--session-ttl", "--port") else "engine"
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([command])
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_numeric_environment_values_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WSINFER_SESSION_TTL", "120")
+    monkeypatch.setenv("WSINFER_PORT", "0")
+    frontend = build_parser().parse_args(["frontend"])
+    assert (frontend.session_ttl, frontend.port) == (120, 0)
+    monkeypatch.setenv("WSINFER_IDLE_PAUSE", "2.5")
+    monkeypatch.setenv("WSINFER_LEASE_MS", "500")
+    config, _ = engine_configs(engine_args())
+    assert (config.idle_pause_s, config.lease_ms) == (2.5, 500)
