@@ -11,7 +11,12 @@ Prints markdown tables:
 (b) multi-turn: time to first token of turn 2 on a long history, with the
     session's KV cache retained vs recomputed;
 (c) with CUDA only: a 1B-class Llama (random weights, bfloat16) at batch
-    1..64 vs ``generate`` and vs a memory-bandwidth roofline.
+    1, 16, 64, 128, 256 (--gpu-batches), 128 new tokens (--gpu-new-tokens): EngineCore
+    vs transformers ``generate`` with a static cache + torch.compile (measured in the
+    same run), eager ``generate``, transformers CB, and the memory-bandwidth roofline;
+    host syncs per decode step at each batch.
+
+    python benchmarks/bench_engine.py --device cuda --dtype bfloat16 --only c --no-cb
 """
 
 from __future__ import annotations
@@ -82,8 +87,10 @@ def run_engine(core: EngineCore, prompts: list[list[int]], params: GenerationPar
     return tokens
 
 
-def run_generate(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> None:
-    """transformers generate on one left-padded static batch."""
+def run_generate(
+    loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, **extra: Any
+) -> None:
+    """transformers generate on one left-padded static batch (``extra``: more kwargs)."""
     width = max(len(p) for p in prompts)
     pad = loaded.tokenizer.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=loaded.device)
@@ -99,6 +106,7 @@ def run_generate(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int)
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             pad_token_id=pad,
+            **extra,
         )
 
 
@@ -299,7 +307,9 @@ def gpu_model(
 
 def copy_bandwidth(device: str = "cuda") -> float:
     """Device-to-device copy bandwidth in bytes/s (each byte read once and written once)."""
-    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    # 1 GiB on a GPU (far past its L2); the CPU stand-in only checks the code path.
+    size = 2**30 if device.startswith("cuda") else 2**24
+    src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     seconds = timed(lambda: [dst.copy_(src) for _ in range(10)]) / 10
@@ -343,47 +353,149 @@ def syncs_per_step(core: EngineCore, prompts: list[list[int]], steps: int = 20) 
     return sum("synchroniz" in str(w.message) for w in caught) / steps
 
 
+class StaticCompiled:
+    """transformers ``generate`` with a static KV cache and its forward compiled.
+
+    On CUDA, ``generate`` compiles the decode forward of a static cache by itself
+    (``torch.compile(mode="reduce-overhead")``: CUDA graphs); the ``CompileConfig`` only
+    makes that explicit. ``compile=False`` (the CPU stand-in) runs the static cache eagerly.
+    A compile failure is reported, not raised: the cell says n/a and why.
+    """
+
+    def __init__(self, loaded: LoadedModel, compile: bool) -> None:
+        self.loaded = loaded
+        self.compile = compile
+        self.failure: str | None = None
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> None:
+        from transformers import CompileConfig
+
+        extra: dict[str, Any] = {"cache_implementation": "static"}
+        if self.compile:
+            extra["compile_config"] = CompileConfig(mode="reduce-overhead")
+        else:
+            extra["disable_compile"] = True
+        run_generate(self.loaded, prompts, new_tokens, **extra)
+
+    def rate(self, prompts: list[list[int]], new_tokens: int) -> float | None:
+        """tok/s after one untimed run of the same shape (it compiles); None on failure."""
+        if self.failure is not None:
+            return None
+        try:
+            self.run(prompts, new_tokens)  # the cache's length is part of the compiled shape
+            return best_rate(len(prompts) * new_tokens, partial(self.run, prompts, new_tokens), 1)
+        except Exception as exc:  # noqa: BLE001 - any compile error is a result to report
+            self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            print(f"static+compile generate failed: {self.failure}", file=sys.stderr)
+            return None
+
+
+@dataclasses.dataclass
+class GpuRow:
+    streams: int
+    engine: float = 0.0
+    syncs: float | None = None
+    static: float | None = None
+    eager: float = 0.0
+    cb: float | None = None
+    roofline: float = 0.0
+
+    def cells(self) -> str:
+        def fmt(value: float | None, spec: str = ".0f") -> str:
+            return "n/a" if value is None else format(value, spec)
+
+        ratio = None if self.static is None else self.engine / self.static
+        cb_ratio = None if self.cb is None else self.engine / self.cb
+        static_roof = None if self.static is None else self.static / self.roofline
+        return (
+            f"| {self.streams} | {self.engine:.0f} | {fmt(self.static)} | {fmt(ratio, '.2f')}x "
+            f"| {self.eager:.0f} | {fmt(self.cb)} | {fmt(cb_ratio, '.2f')}x | {self.roofline:.0f} "
+            f"| {self.engine / self.roofline:.3f} | {fmt(static_roof, '.3f')} "
+            f"| {fmt(self.syncs, '.2f')} |"
+        )
+
+
+GPU_HEADER = [
+    "| streams | EngineCore tok/s | generate static+compile | engine / static+compile "
+    "| generate eager | transformers CB | engine / CB | roofline tok/s | engine / roofline "
+    "| static+compile / roofline | host syncs / step |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
 def gpu_table(
     tokenizer_source: LoadedModel,
     new_tokens: int,
     device: str = "cuda",
     smoke: bool = False,
-    batches: tuple[int, ...] = (1, 4, 8, 16, 32, 64),
+    batches: tuple[int, ...] = (1, 16, 64, 128, 256),
     with_cb: bool = True,
+    compile_baseline: bool | None = None,
 ) -> list[str]:
+    """EngineCore first (all batches, with its host syncs per step), then the transformers
+    baselines on the same weights once the engine is gone: an engine that sizes its KV
+    pool from free memory must not starve them, nor they it."""
     loaded = gpu_model(tokenizer_source, device, smoke)
     bandwidth = copy_bandwidth(device)
+    rows = [GpuRow(n) for n in batches]
     params = GenerationParams(max_new_tokens=new_tokens, temperature=0.7)
     core = EngineCore(loaded, EngineConfig(max_batch_size=max(batches)))
-    cb = TransformersCB(loaded, new_tokens, max(batches)) if with_cb else None
-    warm(core, loaded, cb)
-    rows = [
-        f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; weights "
-        f"{sum(p.numel() for p in loaded.model.parameters()) / 1e9:.2f} B params (bf16)",
-        "",
-        "| streams | EngineCore tok/s | generate (static) | engine / generate "
-        "| transformers CB | engine / CB | roofline tok/s | engine / roofline |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for n in batches:
-        prompts = chat_prompts(loaded, n)
-        total = n * new_tokens
-        ours = best_rate(total, partial(run_engine, core, prompts, params), 1)
-        static = best_rate(total, partial(run_generate, loaded, prompts, new_tokens), 1)
-        cb_rate = best_rate(total, partial(cb.run, prompts), 1) if cb else float("nan")
-        context = max(len(p) for p in prompts) + new_tokens // 2
-        roof = roofline(loaded, n, context, bandwidth)
-        rows.append(
-            f"| {n} | {ours:.0f} | {static:.0f} | {ours / static:.2f}x | {cb_rate:.0f} "
-            f"| {ours / cb_rate:.2f}x | {roof:.0f} | {ours / roof:.2f} |"
+    warm(core, loaded, None)
+    for row in rows:
+        prompts = chat_prompts(loaded, row.streams)
+        row.engine = best_rate(
+            row.streams * new_tokens, partial(run_engine, core, prompts, params), 1
         )
-        print(rows[-1], file=sys.stderr, flush=True)
+        row.syncs = syncs_per_step(core, prompts)
+        context = max(len(p) for p in prompts) + new_tokens // 2
+        row.roofline = roofline(loaded, row.streams, context, bandwidth)
+        print(f"engine, {row.streams} streams: {row.engine:.0f} tok/s", file=sys.stderr)
+    del core
+    release_memory()
+    if compile_baseline is None:
+        compile_baseline = device.startswith("cuda")
+    static = StaticCompiled(loaded, compile_baseline)
+    baselines(loaded, rows, new_tokens, static, with_cb)
+    weights = sum(p.numel() for p in loaded.model.parameters()) / 1e9
+    mode = "compiled" if static.compile else "not compiled (CPU stand-in)"
+    notes = [f"static+compile generate: {mode}"]
+    if static.failure:
+        notes.append(f"static+compile generate failed: {static.failure}")
+    return [
+        f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; weights {weights:.2f} B params (bf16); "
+        f"{new_tokens} new tokens per stream, sampling",
+        "",
+        *GPU_HEADER,
+        *(row.cells() for row in rows),
+        "",
+        *notes,
+    ]
+
+
+def baselines(
+    loaded: LoadedModel, rows: list[GpuRow], new_tokens: int, static: StaticCompiled, with_cb: bool
+) -> None:
+    run_generate(loaded, chat_prompts(loaded, 2), 8)  # warm-up
+    cb = TransformersCB(loaded, new_tokens, max(r.streams for r in rows)) if with_cb else None
+    if cb is not None:
+        cb.run(chat_prompts(loaded, 2))
+    for row in rows:
+        prompts = chat_prompts(loaded, row.streams)
+        total = row.streams * new_tokens
+        row.static = static.rate(prompts, new_tokens)
+        row.eager = best_rate(total, partial(run_generate, loaded, prompts, new_tokens), 1)
+        row.cb = best_rate(total, partial(cb.run, prompts), 1) if cb is not None else None
+        print(f"baselines, {row.streams} streams: {row.cells()}", file=sys.stderr)
     if cb is not None:
         cb.close()
-    syncs = syncs_per_step(core, chat_prompts(loaded, max(batches)))
-    counted = "n/a (not CUDA)" if syncs is None else f"{syncs:.2f}"
-    rows += ["", f"Host syncs per decode step at {max(batches)} streams: {counted} (goal: 1)"]
-    return rows
+
+
+def release_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -404,6 +516,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the best counts")
     parser.add_argument("--only", choices=["a", "b", "c"], help="run one section")
+    parser.add_argument("--gpu-batches", default="1,16,64,128,256", help="section c's batches")
+    parser.add_argument("--gpu-new-tokens", type=int, default=128, help="section c's length")
     args = parser.parse_args(argv)
     for name in ("transformers", "ContinuousBatchingLogger"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -432,7 +546,9 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(multiturn_table(loaded, args.history_tokens)) + "\n")
     if args.only in (None, "c") and torch.cuda.is_available():
         print("## (c) GPU: 1B-class Llama, random weights, bfloat16\n")
-        print("\n".join(gpu_table(loaded, args.new_tokens, with_cb=not args.no_cb)) + "\n")
+        sizes = tuple(int(b) for b in args.gpu_batches.split(","))
+        table = gpu_table(loaded, args.gpu_new_tokens, batches=sizes, with_cb=not args.no_cb)
+        print("\n".join(table) + "\n")
     elif args.only == "c":
         print("## (c) skipped: CUDA is not available\n")
 
