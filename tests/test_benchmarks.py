@@ -97,3 +97,42 @@ def test_bench_stream_measures_the_service_against_the_engine(
         signal.signal(signal.SIGTERM, sigterm)
     (row,) = data_rows(capsys.readouterr().out.splitlines())
     assert row[0] == "1" and float(row[3]) > 0 and row[-1].endswith("x")
+
+
+def test_bench_serve_measures_sessions_and_a_long_prompt_against_the_engine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Three sessions from two client processes (at most two streams each), and the
+    interference test: a ~150-token prompt arriving while two streams decode."""
+    args = ["--model", "tiny", "--streams", "1,3", "--tokens", "8", "--per-client", "2"]
+    args += ["--long-prompt", "150", "--running", "2", "--running-tokens", "48", "--settle", "3"]
+    load_script("bench_serve").main([*args, "--threads", "1"])
+    out = capsys.readouterr().out
+    sessions, interference = out.split("## (b)")
+    rows = data_rows(sessions.splitlines())
+    assert [row[0] for row in rows] == ["1", "3"]
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[3]) > 0 and row[4].endswith("x")
+        ttft, p99 = (float(v) for v in row[6].split(" / "))
+        assert 0 < ttft <= p99
+    engine, service = data_rows(interference.splitlines())
+    assert engine[0] == "engine alone" and service[0] == "service"
+    for row in (engine, service):
+        assert int(row[2]) >= 150 and float(row[3]) > 0 and float(row[4]) > 0
+
+
+def test_bench_serve_reports_a_service_that_does_not_start(tmp_path: Path) -> None:
+    bench_serve = load_script("bench_serve")
+    args = bench_serve.parse_args(["--device", "cpu"])
+    with (
+        pytest.raises(RuntimeError, match="wsinfer serve did not start"),
+        bench_serve.serve(args, str(tmp_path / "no-such-model"), 2),
+    ):
+        pass
+
+
+def test_bench_serve_reports_a_client_worker_that_fails() -> None:
+    bench_serve = load_script("bench_serve")
+    request = {"messages": [], "params": {}}
+    with pytest.raises(RuntimeError, match="client worker failed"):
+        bench_serve.served_run(1, 4, request, per_client=2)  # nothing listens on port 1
