@@ -133,6 +133,6 @@ def test_bench_serve_reports_a_service_that_does_not_start(tmp_path: Path) -> No
 
 def test_bench_serve_reports_a_client_worker_that_fails() -> None:
     bench_serve = load_script("bench_serve")
-    request = {"messages": [], "params": {}}
+    request: dict[str, object] = {"messages": [], "params": {}}
     with pytest.raises(RuntimeError, match="client worker failed"):
         bench_serve.served_run(1, 4, request, per_client=2)  # nothing listens on port 1
