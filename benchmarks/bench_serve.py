@@ -36,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -45,19 +46,21 @@ from typing import Any
 
 import torch
 
+from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest
+from wsinfer.engine.model import LoadedModel, build_model_dir, load_model
+from wsinfer.engine.prompts import render_chat
+from wsinfer.sessions.schema import GenerationParams
+from wsinfer.supervisor import _die_with_parent
+
 BENCH_DIR = Path(__file__).resolve().parent
-for path in (BENCH_DIR, BENCH_DIR.parent):  # ws_load beside us; the test suite's helpers
+# ws_load and bench_engine beside us; the test suite (--model tiny) at the root. Appended,
+# not prepended: the root's wsinfer/ must not shadow an installed wsinfer (whose
+# wsinfer.engine maps to engine/), as on a GPU machine with a --target install.
+for path in (BENCH_DIR, BENCH_DIR.parent):
     if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+        sys.path.append(str(path))
 
 from ws_load import Stream, open_sockets, run_turns, turn  # noqa: E402
-
-from tests.stack import port_from_banner  # noqa: E402
-from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest  # noqa: E402
-from wsinfer.engine.model import LoadedModel, build_model_dir, load_model  # noqa: E402
-from wsinfer.engine.prompts import render_chat  # noqa: E402
-from wsinfer.sessions.schema import GenerationParams  # noqa: E402
-from wsinfer.supervisor import _die_with_parent  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a long, detailed story about a lighthouse keeper."}]
 FILLER = (
@@ -165,12 +168,15 @@ def serve(args: argparse.Namespace, model: str | None, max_batch: int) -> Iterat
         command,
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=tempfile.gettempdir(),  # not the repository: its wsinfer/ is not the package
         preexec_fn=_die_with_parent,
     )
     try:
         assert process.stdout is not None
-        line = process.stdout.readline()  # printed once the engine has registered
-        yield port_from_banner(line or f"exited with {process.wait()}", "wsinfer serve")
+        line = process.stdout.readline().decode()  # printed once the engine has registered
+        if "ws://" not in line:
+            raise RuntimeError(f"wsinfer serve did not start: {line!r}, exit {process.wait()}")
+        yield int(line.split("ws://")[1].split("/")[0].rsplit(":", 1)[1])
     finally:
         if process.poll() is None:
             process.terminate()
@@ -300,13 +306,19 @@ def long_messages(tokenizer: Any, target: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": " ".join(content) + " Summarise this."}]
 
 
-def random_1b_dir() -> Path:
-    """The random Llama-3.2-1B-shaped model of bench_engine's section c, saved once."""
+def random_1b_dir(tokenizer_from: str | None) -> Path:
+    """The random Llama-3.2-1B-shaped model of bench_engine's section c, saved once, with
+    the tokenizer of ``tokenizer_from`` (default: the test suite's tiny model, SmolLM2's)."""
     from bench_engine import gpu_model
+
+    if tokenizer_from is None:
+        from tests.models import tiny_model_dir
+
+        tokenizer_from = str(tiny_model_dir())
 
     def build(out: Path) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        loaded = gpu_model(load_model(None), device)
+        loaded = gpu_model(load_model(tokenizer_from), device)
         loaded.model.save_pretrained(out)
         loaded.tokenizer.save_pretrained(out)
 
@@ -314,14 +326,15 @@ def random_1b_dir() -> Path:
     return build_model_dir(root / "bench-models" / "llama-1b-random-v1", build)
 
 
-def resolve_model(spec: str | None) -> str | None:
+def resolve_model(spec: str | None, tokenizer_from: str | None) -> str | None:
+    """A path for ``wsinfer serve --model`` (absolute: the service runs elsewhere)."""
     if spec == "tiny":
         from tests.models import tiny_model_dir
 
         return str(tiny_model_dir())
     if spec == "random-1b":
-        return str(random_1b_dir())
-    return spec
+        return str(random_1b_dir(tokenizer_from))
+    return str(Path(spec).resolve()) if spec and Path(spec).exists() else spec
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -341,6 +354,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--running-tokens", type=int, default=512, help="interference: their new tokens")
     add("--settle", type=int, default=16, help="interference: their deltas before it arrives")
     add("--threads", type=int, default=0, help="torch threads here and in the engine")
+    add("--tokenizer-from", default=None, help="random-1b: a model dir whose tokenizer to use")
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -398,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, args.tokenizer_from)
     streams = [int(n) for n in args.streams.split(",")]
     loaded = load_model(model, device=args.device, dtype=args.dtype)
     long_chat = long_messages(loaded.tokenizer, args.long_prompt) if args.long_prompt else []
