@@ -40,6 +40,7 @@ def run(case: Case, **kwargs: Any) -> torch.Tensor:
         ([100, 3], 9, 3, 64, 16),  # SmolLM2's 9 / 3 heads: a group of 3
         ([33, 64, 0], 8, 8, 128, 32),  # no GQA, head_dim 128, bigger blocks
         ([250], 32, 8, 64, 16),  # Llama 1B's heads at batch 1
+        ([37, 37, 37], 4, 1, 64, 16),  # equal lengths: the unmasked path; MQA
     ],
 )
 def test_torch_path_matches_a_naive_loop(
