@@ -9,7 +9,9 @@ time finding out that a script broke.
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -136,3 +138,27 @@ def test_bench_serve_reports_a_client_worker_that_fails() -> None:
     request: dict[str, object] = {"messages": [], "params": {}}
     with pytest.raises(RuntimeError, match="client worker failed"):
         bench_serve.served_run(1, 4, request, per_client=2)  # nothing listens on port 1
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (linux x86_64 only)"
+)
+def test_bench_attention_checks_run_under_the_triton_interpreter() -> None:
+    """The GPU script's correctness checks, on CPU; its CPU timing mode too."""
+    script = str(BENCHMARKS / "gpu" / "bench_attention.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    smoke = subprocess.run(
+        [sys.executable, script, "--smoke"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert smoke.returncode == 0, smoke.stderr
+    rows = data_rows(smoke.stdout.splitlines())
+    assert rows and all(row[-1] == "yes" for row in rows)
+    timed = subprocess.run(
+        [sys.executable, script, "--cpu", "--batches", "2", "--contexts", "32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert timed.returncode == 0, timed.stderr
+    (row,) = data_rows(timed.stdout.splitlines())
+    assert row[:2] == ["2", "32"] and float(row[2]) > 0 and float(row[3]) > 0
