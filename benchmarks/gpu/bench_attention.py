@@ -288,39 +288,48 @@ SPLITS = [1, 2, 4, 8, 16, 32]
 
 
 def cpu_timing(batches: list[int], contexts: list[int]) -> list[str]:
+    """Rows all ``context`` long (no mask), and ragged: one ``context`` long, the others
+    shorter by up to half (masked), against SDPA on a contiguous cache of ``context``.
+    The three are timed in turn, round after round, so load from elsewhere hits all."""
     rows = [
         f"CPU, {torch.get_num_threads()} threads; SmolLM2-135M heads (9 / 3, D 64), fp32, "
         f"blocks of {BLOCK_SIZE}; per call, one layer, best of 20",
         "",
-        "| batch | context | torch path (gather + SDPA) µs | SDPA, contiguous cache µs | ratio |",
-        "|---|---|---|---|---|",
+        "| batch | context | torch path, equal rows µs | torch path, ragged rows µs "
+        "| SDPA, contiguous cache µs | equal / contiguous | ragged / contiguous |",
+        "|---|---|---|---|---|---|---|",
     ]
     for batch in batches:
         for context in contexts:
-            q, k, v, tables, lens = make_inputs([context] * batch, 9, 3, 64, torch.float32, "cpu")
-            k.nan_to_num_(0.0)  # a pool allocated with zeros, as an engine's is
-            v.nan_to_num_(0.0)
-            paged = best_seconds(partial(decode_attention, q, k, v, tables, lens, 0.125))
-            keys = torch.randn(batch, 3, context, 64)
-            values = torch.randn_like(keys)
-            flat = partial(
-                F.scaled_dot_product_attention, q[:, :, None], keys, values, enable_gqa=True
-            )
-            contiguous = best_seconds(flat)
+            ragged = [context] + torch.randint(context // 2, context + 1, (batch - 1,)).tolist()
+            calls = [paged_call([context] * batch), paged_call(ragged)]
+            q = torch.randn(batch, 9, 1, 64)
+            keys, values = torch.randn(batch, 3, context, 64), torch.randn(batch, 3, context, 64)
+            calls.append(partial(F.scaled_dot_product_attention, q, keys, values, enable_gqa=True))
+            equal, uneven, flat = best_seconds_each(calls)
             rows.append(
-                f"| {batch} | {context} | {paged * 1e6:.0f} | {contiguous * 1e6:.0f} "
-                f"| {paged / contiguous:.1f}x |"
+                f"| {batch} | {context} | {equal * 1e6:.0f} | {uneven * 1e6:.0f} "
+                f"| {flat * 1e6:.0f} | {equal / flat:.1f}x | {uneven / flat:.1f}x |"
             )
     return rows
 
 
-def best_seconds(fn: Callable[[], object], reps: int = 20) -> float:
-    fn()
-    best = math.inf
+def paged_call(lens: list[int]) -> Callable[[], object]:
+    q, k, v, tables, seq_lens = make_inputs(lens, 9, 3, 64, torch.float32, "cpu")
+    k.nan_to_num_(0.0)  # a pool of finite values, as an engine's is
+    v.nan_to_num_(0.0)
+    return partial(decode_attention, q, k, v, tables, seq_lens, 0.125)
+
+
+def best_seconds_each(calls: list[Callable[[], object]], reps: int = 20) -> list[float]:
+    best = [math.inf] * len(calls)
+    for call in calls:
+        call()
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 

