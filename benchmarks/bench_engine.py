@@ -393,25 +393,38 @@ class StaticCompiled:
 @dataclasses.dataclass
 class GpuRow:
     streams: int
-    engine: float = 0.0
+    engine: float | None = None
     syncs: float | None = None
     static: float | None = None
-    eager: float = 0.0
+    eager: float | None = None
     cb: float | None = None
     roofline: float = 0.0
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    def attempt(self, what: str, measure: Callable[[], float | None]) -> float | None:
+        """``measure()``, or None with the error noted: one failing cell (say, out of
+        memory at batch 256) must not cost the rest of a GPU run."""
+        try:
+            return measure()
+        except Exception as exc:  # noqa: BLE001 - reported in the table's notes
+            self.errors.append(f"{what} at {self.streams}: {type(exc).__name__}: {exc}"[:300])
+            print(self.errors[-1], file=sys.stderr)
+            release_memory()
+            return None
 
     def cells(self) -> str:
         def fmt(value: float | None, spec: str = ".0f") -> str:
             return "n/a" if value is None else format(value, spec)
 
-        ratio = None if self.static is None else self.engine / self.static
-        cb_ratio = None if self.cb is None else self.engine / self.cb
-        static_roof = None if self.static is None else self.static / self.roofline
+        def ratio(a: float | None, b: float | None) -> float | None:
+            return None if a is None or not b else a / b
+
         return (
-            f"| {self.streams} | {self.engine:.0f} | {fmt(self.static)} | {fmt(ratio, '.2f')}x "
-            f"| {self.eager:.0f} | {fmt(self.cb)} | {fmt(cb_ratio, '.2f')}x | {self.roofline:.0f} "
-            f"| {self.engine / self.roofline:.3f} | {fmt(static_roof, '.3f')} "
-            f"| {fmt(self.syncs, '.2f')} |"
+            f"| {self.streams} | {fmt(self.engine)} | {fmt(self.static)} "
+            f"| {fmt(ratio(self.engine, self.static), '.2f')}x | {fmt(self.eager)} "
+            f"| {fmt(self.cb)} | {fmt(ratio(self.engine, self.cb), '.2f')}x "
+            f"| {self.roofline:.0f} | {fmt(ratio(self.engine, self.roofline), '.3f')} "
+            f"| {fmt(ratio(self.static, self.roofline), '.3f')} | {fmt(self.syncs, '.2f')} |"
         )
 
 
@@ -443,13 +456,13 @@ def gpu_table(
     warm(core, loaded, None)
     for row in rows:
         prompts = chat_prompts(loaded, row.streams)
-        row.engine = best_rate(
-            row.streams * new_tokens, partial(run_engine, core, prompts, params), 1
-        )
-        row.syncs = syncs_per_step(core, prompts)
         context = max(len(p) for p in prompts) + new_tokens // 2
         row.roofline = roofline(loaded, row.streams, context, bandwidth)
-        print(f"engine, {row.streams} streams: {row.engine:.0f} tok/s", file=sys.stderr)
+        total = row.streams * new_tokens
+        engine = partial(best_rate, total, partial(run_engine, core, prompts, params), 1)
+        row.engine = row.attempt("EngineCore", engine)
+        row.syncs = row.attempt("host syncs", partial(syncs_per_step, core, prompts))
+        print(f"engine, {row.streams} streams: {row.cells()}", file=sys.stderr)
     del core
     release_memory()
     if compile_baseline is None:
@@ -458,7 +471,7 @@ def gpu_table(
     baselines(loaded, rows, new_tokens, static, with_cb)
     weights = sum(p.numel() for p in loaded.model.parameters()) / 1e9
     mode = "compiled" if static.compile else "not compiled (CPU stand-in)"
-    notes = [f"static+compile generate: {mode}"]
+    notes = [f"static+compile generate: {mode}", *(e for row in rows for e in row.errors)]
     if static.failure:
         notes.append(f"static+compile generate failed: {static.failure}")
     return [
@@ -483,8 +496,11 @@ def baselines(
         prompts = chat_prompts(loaded, row.streams)
         total = row.streams * new_tokens
         row.static = static.rate(prompts, new_tokens)
-        row.eager = best_rate(total, partial(run_generate, loaded, prompts, new_tokens), 1)
-        row.cb = best_rate(total, partial(cb.run, prompts), 1) if cb is not None else None
+        eager = partial(run_generate, loaded, prompts, new_tokens)
+        row.eager = row.attempt("eager generate", partial(best_rate, total, eager, 1))
+        if cb is not None:
+            batching = partial(best_rate, total, partial(cb.run, prompts), 1)
+            row.cb = row.attempt("transformers CB", batching)
         print(f"baselines, {row.streams} streams: {row.cells()}", file=sys.stderr)
     if cb is not None:
         cb.close()

@@ -161,6 +161,7 @@ def serve(args: argparse.Namespace, model: str | None, max_batch: int) -> Iterat
         sys.executable, "-m", "wsinfer", "serve", "--port", "0",
         *(["--model", model] if model else []),
         "--device", args.device, "--dtype", args.dtype, "--max-batch-size", str(max_batch),
+        "--max-queued-turns", str(max(256, 2 * max_batch)),
         "--log-level", "warning",
         *(["--threads", str(args.threads)] if args.threads else []),
     ]  # fmt: skip
@@ -251,8 +252,9 @@ async def served_interference(
 SERVICE_HEADER = [
     "| streams | tokens/stream | engine tok/s | service tok/s | service / engine "
     "| engine TTFT p50 / p99 ms | service TTFT p50 / p99 ms | engine gap p50 / p99 ms "
-    "| service gap p50 / p99 ms | engine step ms | service gap p99 / engine step |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
+    "| service gap p50 / p99 ms | engine step ms | service gap p99 / engine step "
+    "| failed turns |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -266,8 +268,14 @@ def service_row(n: int, engine: Run, served: Run) -> str:
         f"| {n} | {tokens:.0f} | {engine.rate:.1f} | {served.rate:.1f} "
         f"| {served.rate / engine.rate:.2f}x | {pair(engine.ttfts)} | {pair(served.ttfts)} "
         f"| {pair(engine.gaps)} | {pair(served.gaps)} | {ms(step)} "
-        f"| {pct(served.gaps, 99) / step:.1f}x |"
+        f"| {pct(served.gaps, 99) / step:.1f}x | {failures(served.streams)} |"
     )
+
+
+def failures(streams: list[Stream]) -> str:
+    """``0``, or how many failed and the first reason (say, ``overloaded``)."""
+    failed = [s.error for s in streams if s.error]
+    return f"{len(failed)}: {failed[0][:80]}" if failed else "0"
 
 
 INTERFERENCE_HEADER = [
@@ -279,7 +287,9 @@ INTERFERENCE_HEADER = [
 
 
 def interference_row(side: str, long: Stream, running: list[Stream], prompt_tokens: int) -> str:
-    first = long.arrivals[0] if long.arrivals else math.nan
+    if not long.arrivals:
+        return f"| {side} | {len(running)} | {prompt_tokens} | failed: {long.error[:80]} | | | |"
+    first = long.arrivals[0]
     worst = max(s.max_gap_within(long.sent, first) for s in running)
     before = [
         b - a

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
 
 TIMEOUT_S = 600.0  # one message; a GPU engine capturing graphs can take a while
 
@@ -33,8 +34,9 @@ class Stream:
 
     sent: float = 0.0
     arrivals: list[float] = field(default_factory=list)  # one per delta
-    tokens: int = 0  # the done message's seq
+    tokens: int = 0  # the last seq seen (the done message's, for a finished turn)
     end: float = 0.0
+    error: str = ""  # why the turn failed; empty when it finished
 
     @property
     def ttft(self) -> float:
@@ -58,19 +60,34 @@ async def open_sockets(port: int, n: int) -> list[ClientConnection]:
 
 
 async def turn(ws: ClientConnection, request: dict[str, Any], stream: Stream) -> Stream:
-    """Send one ``generate`` and record every delta until ``done``."""
+    """Send one ``generate`` and record every delta until ``done``. A refused or failed
+    turn (an ``error``, ``done`` with an error, a timeout, a closed connection) is
+    recorded in ``stream.error``, not raised: a benchmark reports its failures."""
     stream.sent = time.monotonic()
-    await ws.send(json.dumps({"type": "generate", **request}))
-    while True:
-        message = json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT_S))
-        kind = message["type"]
-        if kind == "delta":
-            stream.arrivals.append(time.monotonic())
-        elif kind == "done" and message["finish_reason"] != "error":
-            stream.tokens, stream.end = int(message["seq"]), time.monotonic()
-            return stream
-        elif kind in ("done", "error"):
-            raise RuntimeError(f"turn failed: {message}")
+    try:
+        await ws.send(json.dumps({"type": "generate", **request}))
+        while not await receive(ws, stream):
+            pass
+    except (asyncio.TimeoutError, ConnectionClosed) as exc:
+        stream.error = f"{type(exc).__name__}: {exc}"
+    stream.end = time.monotonic()
+    return stream
+
+
+async def receive(ws: ClientConnection, stream: Stream) -> bool:
+    """One message into ``stream``; True once the turn is over."""
+    message = json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT_S))
+    kind = message["type"]
+    if kind == "delta":
+        stream.arrivals.append(time.monotonic())
+        stream.tokens = int(message["seq"])
+    elif kind == "done":
+        stream.tokens = int(message["seq"])
+        if message["finish_reason"] == "error":
+            stream.error = json.dumps(message.get("error"))
+    elif kind == "error":
+        stream.error = f"{message.get('code')}: {message.get('message')}"
+    return kind in ("done", "error")
 
 
 async def run_turns(

@@ -9,6 +9,7 @@ time finding out that a script broke.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -162,3 +163,58 @@ def test_bench_attention_checks_run_under_the_triton_interpreter() -> None:
     assert timed.returncode == 0, timed.stderr
     (row,) = data_rows(timed.stdout.splitlines())
     assert row[:2] == ["2", "32"] and all(float(cell) > 0 for cell in row[2:5])
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        ({"type": "error", "code": "overloaded", "message": "busy"}, "overloaded: busy"),
+        (
+            {"type": "done", "seq": 2, "finish_reason": "error", "error": {"code": "internal"}},
+            '{"code": "internal"}',
+        ),
+        (None, "ConnectionClosed"),  # the server hangs up
+    ],
+)
+async def test_a_failed_turn_is_recorded_not_raised(
+    reply: dict[str, object] | None, error: str
+) -> None:
+    from websockets.asyncio.server import ServerConnection, serve
+
+    load_script("bench_serve")  # puts ws_load on the path
+    import ws_load
+
+    async def handler(ws: ServerConnection) -> None:
+        await ws.recv()
+        await ws.send(json.dumps({"type": "delta", "seq": 2, "text": "hi"}))
+        if reply is not None:
+            await ws.send(json.dumps(reply))
+            await ws.wait_closed()
+
+    async with serve(handler, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        (ws,) = await ws_load.open_sockets(port, 1)
+        stream = await ws_load.turn(ws, {"prompt": "x"}, ws_load.Stream())
+        await ws.close()
+    assert stream.error.startswith(error) and stream.tokens == 2 and len(stream.arrivals) == 1
+    assert stream.end >= stream.arrivals[0] >= stream.sent
+
+
+def test_a_failing_gpu_cell_is_reported_and_the_rest_still_measured(
+    bench_engine: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_engine = bench_engine.run_engine
+
+    def out_of_memory_at_3(core: object, prompts: list[list[int]], params: object) -> int:
+        if len(prompts) == 3:
+            raise RuntimeError("CUDA out of memory (pretend)")
+        return int(run_engine(core, prompts, params))
+
+    monkeypatch.setattr(bench_engine, "run_engine", out_of_memory_at_3)
+    table = bench_engine.gpu_table(
+        tiny(), new_tokens=2, device="cpu", smoke=True, batches=(1, 3), with_cb=False
+    )
+    one, three = data_rows(table)
+    assert float(one[1]) > 0 and three[1] == "n/a" and three[3] == "n/ax"
+    assert float(three[2]) > 0 and float(three[4]) > 0  # the baselines still ran at 3
+    assert "EngineCore at 3: RuntimeError: CUDA out of memory (pretend)" in table
