@@ -23,7 +23,9 @@ import structlog
 from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest, RequestOutput
 from wsinfer.engine.model import LoadedModel, load_model
 from wsinfer.engine.prompts import render_chat, render_text
+from wsinfer.sessions.connection import sync_client
 from wsinfer.sessions.schema import DeltaEvent, DoneEvent, PausedEvent, TurnEvent, Usage
+from wsinfer.sessions.store import DEFAULT_SESSION_TTL_S
 from wsinfer.sessions.worker import ClaimedTurn, Publish, TurnHistory, WorkerStore, WorkItem
 
 log = structlog.get_logger("wsinfer.engine")
@@ -36,6 +38,7 @@ class ProcessConfig:
     lease_ms: int = 10_000  # a turn whose engine is silent this long is taken over
     heartbeat_s: float = 1.0
     idle_pause_s: float = 60.0  # pause a turn nobody has watched for this long
+    session_ttl_s: int = DEFAULT_SESSION_TTL_S  # the frontend's --session-ttl: one setting
     poll_interval_s: float = 0.05
     idle_block_ms: int = 1000
     drain: bool = False  # exit once there is no more work (tests, batch jobs)
@@ -328,6 +331,5 @@ def run_engine(
     loaded = load_model(model_spec, device=device, dtype=dtype)
     log.info("model loaded", model=loaded.name, seconds=round(time.monotonic() - started, 1))
     core_config = core_config or EngineConfig(max_batch_size=config.max_batch_size)
-    client = redis.Redis.from_url(redis_url)
-    store = WorkerStore(client, config.engine_id)
+    store = WorkerStore(sync_client(redis_url), config.engine_id, ttl_s=config.session_ttl_s)
     EngineProcess(EngineCore(loaded, core_config), loaded, store, config).run()

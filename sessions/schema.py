@@ -19,6 +19,8 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 MAX_NEW_TOKENS_LIMIT = 4096
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 64
+MIN_TEMPERATURE = 0.01
+MIN_REPETITION_PENALTY = 0.01
 
 
 class ParamsError(ValueError):
@@ -90,6 +92,14 @@ def _float_in(lo: float, hi: float, name: str, *, open_low: bool = False) -> Any
     return check
 
 
+def _temperature(value: Any) -> float:
+    """0 (greedy) or [MIN_TEMPERATURE, 5]: below that, logits / temperature overflow."""
+    number = float(_float_in(0.0, 5.0, "temperature")(value))
+    if 0.0 < number < MIN_TEMPERATURE:
+        raise ParamsError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 5.0]")
+    return number
+
+
 def _seed(value: Any) -> int | None:
     if value is None:
         return None
@@ -109,10 +119,12 @@ def _stop(value: Any) -> tuple[str, ...]:
 
 _PARAM_CHECKS: dict[str, Any] = {
     "max_new_tokens": _int_in(1, MAX_NEW_TOKENS_LIMIT, "max_new_tokens"),
-    "temperature": _float_in(0.0, 5.0, "temperature"),
+    "temperature": _temperature,
     "top_p": _float_in(0.0, 1.0, "top_p", open_low=True),
     "top_k": _int_in(0, 1_000_000, "top_k"),
-    "repetition_penalty": _float_in(0.0, 10.0, "repetition_penalty", open_low=True),
+    # Dividing logits by a tiny penalty overflows them to inf, and sampling
+    # then draws NaN: the floor keeps every logit finite.
+    "repetition_penalty": _float_in(MIN_REPETITION_PENALTY, 10.0, "repetition_penalty"),
     "seed": _seed,
     "stop": _stop,
 }

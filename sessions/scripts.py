@@ -31,7 +31,7 @@ local function cancel(meta, stream, seq, done_status)
 end
 """
 
-# KEYS: meta, turn_input
+# KEYS: meta, turn_input, then every other key of the session (expiry pushed back)
 # ARGV: token_hash, is_new, next_turn, mode, input, now, ttl, allowed_from, target
 START_TURN = (
     _PRELUDE
@@ -56,6 +56,7 @@ redis.call('HSET', meta, 'turn', ARGV[3], 'status', ARGV[9], 'seq', 0, 'control'
            'engine', '', 'seen_at', ARGV[6], 'prompt_tokens', 0, 'cached_tokens', 0)
 redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[7])
 redis.call('EXPIRE', meta, ARGV[7])
+for i = 3, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
 return {'ok'}
 """
 )
@@ -169,5 +170,28 @@ if final then redis.call('HSET', meta, 'engine', '') end
 redis.call('EXPIRE', meta, ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return {'ok', redis.call('HGET', meta, 'control'), redis.call('HGET', meta, 'seen_at')}
+"""
+)
+
+# Client: close a session. Followers on other connections must learn that the
+# turn ended: an unfinished turn gets a cancelled done, and its stream lingers
+# briefly (the frontends' fan-ins deliver it) while every other key goes now.
+# KEYS: meta, the latest turn's stream, then every other key of the session
+# ARGV: token_hash, linger_s
+CLOSE = (
+    _PRELUDE
+    + """
+local meta = KEYS[1]
+if redis.call('EXISTS', meta) == 0 or redis.call('HGET', meta, 'token') ~= ARGV[1] then
+  return {'not_found'}
+end
+local status = redis.call('HGET', meta, 'status')
+if status and status ~= 'done' then
+  cancel(meta, KEYS[2], tonumber(redis.call('HGET', meta, 'seq')) or 0, 'done')
+end
+for i = 3, #KEYS do redis.call('DEL', KEYS[i]) end
+redis.call('DEL', meta)
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return {'ok'}
 """
 )

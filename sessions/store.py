@@ -29,6 +29,8 @@ from wsinfer.sessions.schema import (
 from wsinfer.sessions.states import Action, IllegalTransition, Status, allowed_from, target
 
 DEFAULT_SESSION_TTL_S = 3600
+# How long a closed session's last stream stays, so followers see its end.
+CLOSE_LINGER_S = 30
 # An engine whose last heartbeat is older than this is not routed to.
 ENGINE_FRESH_S = 5.0
 
@@ -73,6 +75,7 @@ class SessionInfo:
     status: str
     seq: int
     engine: str
+    kv_engine: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,37 +98,63 @@ class SessionStore:
         self._start = redis.register_script(scripts.START_TURN)
         self._control = redis.register_script(scripts.CONTROL)
         self._touch = redis.register_script(scripts.TOUCH)
+        self._close = redis.register_script(scripts.CLOSE)
 
     async def create(self, turn_input: TurnInput) -> tuple[str, str]:
-        """New session with its first turn queued; returns (session, token)."""
+        """New session with its first turn queued; returns (session, token).
+
+        One round trip: the start script and the work item go in one pipeline.
+        """
         session, token = uuid.uuid4().hex, secrets.token_urlsafe(24)
-        await self._start_turn(session, hash_token(token), True, 1, turn_input)
+        await self._start_turn(session, hash_token(token), True, 1, turn_input, keys.REQUESTS)
         return session, token
 
-    async def add_turn(self, session: str, token: str, turn_input: TurnInput) -> int:
-        """Queue the next turn of an existing session; returns its number."""
+    async def add_turn(
+        self, session: str, token: str, turn_input: TurnInput, alive: frozenset[str] | None = None
+    ) -> int:
+        """Queue the next turn of an existing session; returns its number.
+
+        ``alive``: the engines known to be alive (saves a round trip per turn).
+        """
         info = await self.info(session, token)
-        await self._start_turn(session, hash_token(token), False, info.turn + 1, turn_input)
+        queue = await self._queue_for(info.kv_engine, alive)
+        await self._start_turn(session, hash_token(token), False, info.turn + 1, turn_input, queue)
         return info.turn + 1
 
     async def _start_turn(
-        self, session: str, token_hash: str, is_new: bool, turn: int, turn_input: TurnInput
+        self,
+        session: str,
+        token_hash: str,
+        is_new: bool,
+        turn: int,
+        turn_input: TurnInput,
+        queue: str,
     ) -> None:
+        # The work item goes with the script in one round trip. When the script
+        # refuses, the item is a harmless stray: an engine's claim of a turn
+        # that is not queued fails, and it acks the item.
         status_from = ",".join(s.value for s in allowed_from(Action.START))
-        reply = await self._start(
-            keys=[keys.meta(session), keys.turn_input(session, turn)],
+        pipe: Pipeline = self.redis.pipeline(transaction=False)
+        await self._start(
+            keys=[keys.meta(session), keys.turn_input(session, turn), *_others(session, turn)],
             args=[
                 token_hash,
                 "1" if is_new else "0",
                 turn,
                 turn_input.mode,
                 turn_input.pack(),
-                int(time.time()),
+                time.time(),
                 self.ttl_s,
                 status_from,
                 target(Action.START).value,
             ],
+            client=pipe,
         )
+        pipe.xadd(queue, encode(TurnRequest(session, turn)), maxlen=keys.REQUESTS_MAXLEN)
+        reply, queued = await pipe.execute(raise_on_error=False)
+        for result in (reply, queued):
+            if isinstance(result, Exception):
+                raise result
         outcome = [as_str(v) for v in reply]
         if outcome[0] == "not_found":
             raise SessionNotFound(session)
@@ -135,17 +164,23 @@ class SessionStore:
             raise ModeMismatch(
                 f"this session takes {'messages' if outcome[1] == 'chat' else 'prompt'}"
             )
-        await self.enqueue(session, turn)
+
+    async def _queue_for(self, holder: str, alive: frozenset[str] | None) -> str:
+        """The engine holding the session's KV cache if it is alive, else the shared queue."""
+        if not holder:
+            return keys.REQUESTS
+        if alive is None:
+            beat = await self.redis.zscore(keys.ENGINES, holder)
+            fresh = beat is not None and time.time() - beat < ENGINE_FRESH_S
+        else:
+            fresh = holder in alive
+        return keys.engine_requests(holder) if fresh else keys.REQUESTS
 
     async def enqueue(self, session: str, turn: int) -> None:
         """Hand the turn to the engine holding the session's KV cache if it is
         alive, else to whichever engine reads the shared queue first."""
-        queue = keys.REQUESTS
         holder = await self.redis.hget(keys.meta(session), "kv_engine")
-        if holder:
-            beat = await self.redis.zscore(keys.ENGINES, holder)
-            if beat is not None and time.time() - beat < ENGINE_FRESH_S:
-                queue = keys.engine_requests(as_str(holder))
+        queue = await self._queue_for(as_str(holder) if holder else "", None)
         # Trimmed so a queue cannot grow without bound; the frontend refuses
         # new turns (overloaded) long before this many are waiting.
         await self.redis.xadd(
@@ -158,7 +193,12 @@ class SessionStore:
         if not meta or not secrets.compare_digest(meta.get("token", ""), hash_token(token)):
             raise SessionNotFound(session)
         return SessionInfo(
-            session, int(meta["turn"]), meta["status"], int(meta["seq"]), meta.get("engine", "")
+            session,
+            int(meta["turn"]),
+            meta["status"],
+            int(meta["seq"]),
+            meta.get("engine", ""),
+            meta.get("kv_engine", ""),
         )
 
     async def control(self, session: str, token: str, turn: int, action: str) -> ControlResult:
@@ -185,19 +225,33 @@ class SessionStore:
         return result
 
     async def close(self, session: str, token: str) -> None:
-        """Delete every key of the session; a running engine sees it gone and stops."""
+        """Delete the session; a running engine sees it gone and stops, and
+        followers elsewhere get a cancelled ``done`` (the latest turn's stream
+        lingers for ``CLOSE_LINGER_S`` so their fan-ins can deliver it)."""
         info = await self.info(session, token)
-        await self.redis.delete(*keys.session_keys(session, info.turn))
+        stream = keys.turn_stream(session, info.turn)
+        mine = keys.session_keys(session, info.turn)
+        others = [k for k in mine if k not in (keys.meta(session), stream)]
+        reply = await self._close(
+            keys=[keys.meta(session), stream, *others], args=[hash_token(token), CLOSE_LINGER_S]
+        )
+        if as_str(reply[0]) == "not_found":
+            raise SessionNotFound(session)
 
-    async def touch(self, sessions: dict[str, int]) -> None:
-        """Mark followed sessions as watched and push back their expiry (one round trip)."""
-        now = int(time.time())
+    async def touch(self, sessions: dict[str, int]) -> list[str]:
+        """Mark followed sessions as watched and push back their expiry (one round trip).
+
+        Returns the sessions that no longer exist (closed, expired, or lost
+        with a Redis that restarted without persistence).
+        """
+        now = time.time()
         pipe: Pipeline = self.redis.pipeline(transaction=False)
         for session, turns in sessions.items():
             await self._touch(
                 keys=keys.session_keys(session, turns), args=[now, self.ttl_s], client=pipe
             )  # queued: the pipeline runs them all at once
-        await pipe.execute()
+        replies = await pipe.execute()
+        return [s for s, found in zip(sessions, replies, strict=True) if not found]
 
     async def read_turn(self, session: str, turn: int) -> tuple[list[TurnEvent], str]:
         """Every event of a turn so far, and the stream id to follow live from."""
@@ -209,6 +263,23 @@ class SessionStore:
     async def engines_alive(self, within_s: float) -> int:
         return int(await self.redis.zcount(keys.ENGINES, time.time() - within_s, "+inf"))
 
+    async def capacity(self, within_s: float) -> tuple[frozenset[str], int]:
+        """The engines alive now and the turns waiting for one, in one round trip."""
+        pipe: Pipeline = self.redis.pipeline(transaction=False)
+        pipe.zrangebyscore(keys.ENGINES, time.time() - within_s, "+inf")
+        pipe.xinfo_groups(keys.REQUESTS)
+        pipe.xlen(keys.REQUESTS)
+        names, groups, length = await pipe.execute(raise_on_error=False)
+        if isinstance(names, Exception):
+            raise names
+        alive = frozenset(as_str(n) for n in names)
+        if isinstance(groups, Exception) or isinstance(length, Exception):
+            return alive, 0  # no queue yet: nothing is waiting
+        for group in groups:
+            if as_str(group["name"]) == keys.ENGINE_GROUP:
+                return alive, int(group.get("lag") or 0)
+        return alive, int(length)
+
     async def queue_depth(self) -> int:
         """Turns queued but not yet taken by any engine."""
         try:
@@ -219,6 +290,13 @@ class SessionStore:
             if as_str(group["name"]) == keys.ENGINE_GROUP:
                 return int(group.get("lag") or 0)
         return int(await self.redis.xlen(keys.REQUESTS))
+
+
+def _others(session: str, turn: int) -> list[str]:
+    """The session's keys other than its meta and this turn's input: a turn
+    start pushes back their expiry too, so no earlier turn expires first."""
+    skip = {keys.meta(session), keys.turn_input(session, turn)}
+    return [k for k in keys.session_keys(session, turn) if k not in skip]
 
 
 # For each client action, the transitions to try in order, with what each does.

@@ -49,13 +49,43 @@ def _add_frontend(parser: argparse.ArgumentParser) -> None:
         default=[k for k in _env("API_KEYS", "").split(",") if k],
         help="accept this API key (repeatable; env WSINFER_API_KEYS=a,b)",
     )
+    parser.add_argument("--max-queued-turns", type=int, default=_env("MAX_QUEUED_TURNS", "256"))
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=_env("REQUEST_RATE", "50"),
+        help="requests per second per connection (bursts of twice that), then `overloaded`",
+    )
+    parser.add_argument(
+        "--max-outgoing-bytes",
+        type=_positive_int,
+        default=_env("MAX_OUTGOING_BYTES", str(1 << 20)),
+        help="output held for a client that does not read before its streams pause",
+    )
+    parser.add_argument(
+        "--allowed-origin",
+        action="append",
+        dest="allowed_origins",
+        default=[o for o in _env("ALLOWED_ORIGINS", "").split(",") if o],
+        help="a web origin allowed to open WebSockets, besides the page's own and "
+        "localhost (repeatable; '*' allows any; env WSINFER_ALLOWED_ORIGINS=a,b)",
+    )
+
+
+def _add_sessions(parser: argparse.ArgumentParser) -> None:
+    """Settings the frontend and the engine must agree on: one flag for both."""
     parser.add_argument(
         "--session-ttl",
         type=_positive_int,
         default=_env("SESSION_TTL", "3600"),
         help="seconds a session lives after its last activity",
     )
-    parser.add_argument("--max-queued-turns", type=int, default=_env("MAX_QUEUED_TURNS", "256"))
+    parser.add_argument(
+        "--idle-pause",
+        type=float,
+        default=_env("IDLE_PAUSE", "60"),
+        help="pause a turn no client has watched for this many seconds",
+    )
 
 
 def _add_engine(parser: argparse.ArgumentParser) -> None:
@@ -90,12 +120,6 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
         help="keep those caches in host memory instead of on the GPU",
     )
     parser.add_argument(
-        "--idle-pause",
-        type=float,
-        default=_env("IDLE_PAUSE", "60"),
-        help="pause a turn no client has watched for this many seconds",
-    )
-    parser.add_argument(
         "--threads",
         type=int,
         default=_env("THREADS", "0"),
@@ -110,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="private Redis + one engine + one frontend")
     _add_frontend(serve)
     _add_engine(serve)
+    _add_sessions(serve)
     serve.add_argument(
         "--redis-url",
         default=_env("REDIS_URL"),
@@ -119,11 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     frontend = sub.add_parser("frontend", help="a WebSocket frontend on a shared Redis")
     _add_frontend(frontend)
+    _add_sessions(frontend)
     frontend.add_argument("--redis-url", default=_env("REDIS_URL", DEFAULT_REDIS_URL))
     _add_common(frontend)
 
     engine = sub.add_parser("engine", help="an engine process on a shared Redis")
     _add_engine(engine)
+    _add_sessions(engine)
     engine.add_argument("--redis-url", default=_env("REDIS_URL", DEFAULT_REDIS_URL))
     engine.add_argument("--engine-id", default=_env("ENGINE_ID"))
     engine.add_argument("--lease-ms", type=_positive_int, default=_env("LEASE_MS", "10000"))
@@ -147,7 +174,17 @@ def _frontend_config(args: argparse.Namespace, redis_url: str) -> Any:
         api_keys=frozenset(args.api_keys),
         session_ttl_s=args.session_ttl,
         max_queued_turns=args.max_queued_turns,
+        request_rate=args.request_rate,
+        max_outgoing_bytes=args.max_outgoing_bytes,
+        allowed_origins=frozenset(args.allowed_origins),
+        touch_interval_s=touch_interval(args.idle_pause),
     )
+
+
+def touch_interval(idle_pause_s: float) -> float:
+    """How often a frontend marks its followed turns watched: well inside the
+    engine's idle limit, so a watched turn is never taken for idle."""
+    return max(0.05, min(5.0, idle_pause_s / 4))
 
 
 def _engine_argv(args: argparse.Namespace) -> list[str]:
@@ -164,6 +201,8 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
         str(args.kv_cache_mb),
         "--idle-pause",
         str(args.idle_pause),
+        "--session-ttl",
+        str(args.session_ttl),
         "--threads",
         str(args.threads),
         "--log-format",
@@ -208,6 +247,7 @@ def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         max_batch_size=args.max_batch_size,
         lease_ms=args.lease_ms,
         idle_pause_s=args.idle_pause,
+        session_ttl_s=args.session_ttl,
         drain=args.drain,
         exit_with_parent=args.exit_with_parent,
     )

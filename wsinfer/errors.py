@@ -6,6 +6,7 @@ should change it) and ``ServerError`` (we could not serve a valid request).
 
 from __future__ import annotations
 
+from wsinfer.sessions.connection import is_outage
 from wsinfer.sessions.schema import ParamsError
 from wsinfer.sessions.states import IllegalTransition
 from wsinfer.sessions.store import ModeMismatch, SessionNotFound
@@ -70,4 +71,10 @@ def to_protocol_error(exc: BaseException) -> WsinferError:
         return Conflict(str(exc))
     if isinstance(exc, (ModeMismatch, ParamsError)):
         return BadRequest(str(exc))
+    if is_outage(exc):
+        return StoreUnavailable("the session store is unreachable; try again", retry_after=1.0)
     return InternalError("internal error")
+
+
+class StoreUnavailable(EngineUnavailable):
+    """Redis is down or restarting: nothing can be served until it is back."""

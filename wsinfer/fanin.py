@@ -11,6 +11,7 @@ not seen it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,11 +20,14 @@ import redis.asyncio as aioredis
 import structlog
 
 from wsinfer.sessions import keys
+from wsinfer.sessions.connection import Backoff, is_outage
 from wsinfer.sessions.schema import DoneEvent, TurnEvent, as_str, decode_event
 
 log = structlog.get_logger("wsinfer.fanin")
 
 Deliver = Callable[[list[TurnEvent]], None]
+# The wake-up stream outlives its frontend by this much at most.
+WAKE_TTL_S = 60
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:
@@ -35,14 +39,18 @@ def _id_key(entry_id: str) -> tuple[int, int]:
 class _Subscriber:
     deliver: Deliver
     position: str
+    # A paused subscriber (its connection's client is not reading) is neither
+    # read for nor delivered to; its output waits in Redis at its position.
+    paused: bool = False
 
 
 @dataclass
 class _Stream:
     subscribers: dict[Hashable, _Subscriber] = field(default_factory=dict)
 
-    def position(self) -> str:
-        return min((s.position for s in self.subscribers.values()), key=_id_key)
+    def position(self) -> str | None:
+        active = [s.position for s in self.subscribers.values() if not s.paused]
+        return min(active, key=_id_key) if active else None
 
 
 class FanIn:
@@ -53,6 +61,8 @@ class FanIn:
         self.streams: dict[str, _Stream] = {}
         self.owners: dict[Hashable, str] = {}
         self._wake_position = "$"
+        self._wake_task: asyncio.Task[None] | None = None
+        self._wake_again = False
 
     def subscribe(self, stream: str, owner: Hashable, position: str, deliver: Deliver) -> None:
         """Deliver entries of ``stream`` after ``position`` until its turn is done.
@@ -64,7 +74,7 @@ class FanIn:
             deliver, position
         )
         self.owners[owner] = stream
-        asyncio.get_running_loop().create_task(self._wake())
+        self._request_wake()
 
     def unsubscribe(self, owner: Hashable) -> None:
         stream = self.owners.pop(owner, None)
@@ -74,31 +84,78 @@ class FanIn:
             if not entry.subscribers:
                 del self.streams[str(stream)]
 
+    def pause(self, owner: Hashable) -> None:
+        sub = self._subscriber(owner)
+        if sub is not None:
+            sub.paused = True
+
+    def resume(self, owner: Hashable) -> None:
+        """Deliver again, from where the subscriber stopped."""
+        sub = self._subscriber(owner)
+        if sub is not None and sub.paused:
+            sub.paused = False
+            self._request_wake()
+
+    def _subscriber(self, owner: Hashable) -> _Subscriber | None:
+        stream = self.streams.get(self.owners.get(owner, ""))
+        return stream.subscribers.get(owner) if stream is not None else None
+
     def unsubscribe_all(self, matches: Callable[[Hashable], bool]) -> None:
         for owner in [o for o in self.owners if matches(o)]:
             self.unsubscribe(owner)
 
+    def _request_wake(self) -> None:
+        """One wake-up in flight at a time: a burst of 1,000 subscriptions costs
+        two XADDs, not 1,000 (a later one is folded into a second round)."""
+        if self._wake_task is None or self._wake_task.done():
+            self._wake_task = asyncio.get_running_loop().create_task(self._wake())
+        else:
+            self._wake_again = True
+
     async def _wake(self) -> None:
-        try:
-            await self.redis.xadd(self.wake_key, {"w": 1}, maxlen=16, approximate=True)
-        except aioredis.RedisError:
-            log.warning("fan-in wake-up failed")
+        while True:
+            self._wake_again = False
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self.wake_key, {"w": 1}, maxlen=16, approximate=True)
+            pipe.expire(self.wake_key, WAKE_TTL_S)
+            try:
+                await pipe.execute()
+            except aioredis.RedisError as exc:
+                log.warning("fan-in wake-up failed", error=str(exc))
+                return  # the XREAD fails too, and re-reads everything once Redis is back
+            if not self._wake_again:
+                return
+
+    async def close(self) -> None:
+        """Remove this frontend's wake-up stream (it also expires on its own)."""
+        with contextlib.suppress(aioredis.RedisError):
+            await self.redis.delete(self.wake_key)
 
     async def run(self) -> None:
-        """Read and dispatch until cancelled; survives Redis hiccups."""
+        """Read and dispatch until cancelled; rides out Redis outages with backoff."""
+        backoff = Backoff()
         while True:
             try:
                 await self._read_once()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("fan-in read failed; retrying")
-                await asyncio.sleep(0.5)
+            except Exception as exc:
+                if not backoff.down:  # one line per outage, not one per retry
+                    log.warning("fan-in cannot read from redis; retrying", error=str(exc))
+                    if not is_outage(exc):
+                        log.exception("fan-in read failed")
+                await asyncio.sleep(backoff.failed())
+                continue
+            lasted = backoff.reset()
+            if lasted is not None:
+                log.warning("fan-in reading again", down_s=round(lasted, 1))
 
     async def _read_once(self) -> None:
-        wanted: dict[Any, Any] = {
-            stream: entry.position() for stream, entry in self.streams.items()
-        }
+        wanted: dict[Any, Any] = {}
+        for stream, entry in self.streams.items():
+            position = entry.position()
+            if position is not None:
+                wanted[stream] = position
         wanted[self.wake_key] = self._wake_position
         reply: Any = await self.redis.xread(wanted, block=self.block_ms)
         for raw_stream, entries in reply or []:
@@ -114,6 +171,8 @@ class FanIn:
             return
         decoded = [(entry_id, decode_event(fields)) for entry_id, fields in entries]
         for owner, sub in list(entry.subscribers.items()):
+            if sub.paused:
+                continue
             fresh = [ev for eid, ev in decoded if _id_key(eid) > _id_key(sub.position)]
             sub.position = max(sub.position, decoded[-1][0], key=_id_key)
             if fresh:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from wsinfer.errors import EngineUnavailable, NotFound, Overloaded
+from wsinfer.errors import NotFound, Overloaded
 from wsinfer.messages import ClientMessage, Generate, Resume, SessionCommand
 from wsinfer.sessions import keys
 from wsinfer.sessions.states import IllegalTransition, Status
@@ -38,7 +38,8 @@ class Handlers:
             await self.control(message)
 
     async def generate(self, msg: Generate) -> None:
-        await self._check_capacity()
+        self._check_follow_limit(msg.session)
+        alive = await self.frontend.capacity.admit()
         turn_input = TurnInput(
             mode="chat" if msg.messages is not None else "text",
             messages=msg.messages,
@@ -50,23 +51,21 @@ class Handlers:
             turn = 1
         else:
             session, token = msg.session, msg.token
-            turn = await self.store.add_turn(session, token, turn_input)
+            turn = await self.store.add_turn(session, token, turn_input, alive)
         self.frontend.metrics.turns.inc()
         self.conn.log.info("turn accepted", session=session, turn=turn)
         self.conn.started_turn(session, turn)
         self.protocol.accepted(msg.id, session, token, turn)
         self._subscribe(session, turn, "0-0")
 
-    async def _check_capacity(self) -> None:
-        if len(self.protocol.feeds) >= MAX_FOLLOWED_PER_CONNECTION:
+    def _check_follow_limit(self, session: str | None) -> None:
+        """Every way of following a new session (generate, resume, stop, pause) counts."""
+        feeds = self.protocol.feeds
+        if session not in feeds and len(feeds) >= MAX_FOLLOWED_PER_CONNECTION:
             raise Overloaded(f"a connection follows at most {MAX_FOLLOWED_PER_CONNECTION} sessions")
-        config = self.frontend.config
-        if await self.store.engines_alive(config.engine_heartbeat_s) == 0:
-            raise EngineUnavailable("no engine is running", retry_after=5.0)
-        if await self.store.queue_depth() >= config.max_queued_turns:
-            raise Overloaded("too many turns are waiting for an engine", retry_after=1.0)
 
     async def resume(self, msg: Resume) -> None:
+        self._check_follow_limit(msg.session)
         info = await self.store.info(msg.session, msg.token)
         turn = msg.turn if msg.turn is not None else info.turn
         if turn > info.turn:
@@ -81,7 +80,9 @@ class Handlers:
         self.protocol.follow(session, turn, after)
         # Watched from now on, not from the next touch tick: a running turn
         # must not be idle-paused under a client that has just come back.
-        await self.store.touch({session: turn})
+        if await self.store.touch({session: turn}):
+            self.protocol.unfollow(session)
+            raise NotFound("no such session (or wrong token)")
         events, last_id = await self.store.read_turn(session, turn)
         self.protocol.replay(session, turn, events)
         if session in self.protocol.feeds:  # not yet done
@@ -91,6 +92,7 @@ class Handlers:
         info = await self.store.info(msg.session, msg.token)
         following = msg.session in self.protocol.feeds
         if not following:
+            self._check_follow_limit(msg.session)
             # The requester sees the outcome (paused/done) like any follower.
             await self._replay_and_follow(msg.session, info.turn, info.seq)
         try:
@@ -108,9 +110,10 @@ class Handlers:
         self.frontend.fanin.unsubscribe((self.conn.id, msg.session))
 
     def _subscribe(self, session: str, turn: int, position: str) -> None:
-        self.frontend.fanin.subscribe(
-            keys.turn_stream(session, turn),
-            (self.conn.id, session),
-            position,
-            self.conn.on_events(session, turn),
+        owner = (self.conn.id, session)
+        fanin = self.frontend.fanin
+        fanin.subscribe(
+            keys.turn_stream(session, turn), owner, position, self.conn.on_events(session, turn)
         )
+        if self.conn.congested:  # its client is not reading: wait in Redis
+            fanin.pause(owner)

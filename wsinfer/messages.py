@@ -23,6 +23,13 @@ SUBPROTOCOLS = (JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL)
 ROLES = frozenset({"system", "user", "assistant"})
 # The server echoes a client's id: a long one would be sent back in every answer.
 MAX_ID_CHARS = 256
+# The deepest legal message is 3 containers deep (messages -> item -> content);
+# anything much deeper is hostile, and is refused before anything recurses on it.
+MAX_DEPTH = 8
+# Integers travel through msgpack and Redis: 64 bits, like every other client.
+MIN_INT, MAX_INT = -(2**63), 2**64 - 1
+# Parts of a bad message quoted back in an error are cut to this length.
+MAX_ECHO_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -66,13 +73,53 @@ class Resume:
 ClientMessage = Generate | SessionCommand | Resume
 
 
+def check_value(data: Any) -> None:
+    """Refuse what no message may contain, whatever the field: nesting deeper
+    than ``MAX_DEPTH``, strings that are not valid Unicode (lone surrogates
+    cannot be stored or echoed), integers beyond 64 bits, and types other than
+    null, bool, number, string, list and map (msgpack's bin and ext)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise BadRequest(f"message is nested more than {MAX_DEPTH} deep")
+            items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            stack.extend((item, depth + 1) for item in items)
+        elif isinstance(value, str):
+            if not _is_unicode(value):
+                raise BadRequest("strings must be valid Unicode (no lone surrogates)")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if not MIN_INT <= value <= MAX_INT:
+                raise BadRequest("integers must fit in 64 bits")
+        elif value is not None and not isinstance(value, (bool, float)):
+            raise BadRequest(f"unsupported value of type {type(value).__name__}")
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _echo(value: Any) -> str:
+    """A client's value quoted in an error: short, and always encodable."""
+    text = repr(value)
+    return text if len(text) <= MAX_ECHO_CHARS else text[: MAX_ECHO_CHARS - 3] + "..."
+
+
 def parse_client_message(data: Any, limits: Limits) -> ClientMessage:
     if not isinstance(data, dict):
         raise BadRequest("a message must be a map")
+    check_value(data)
     kind = data.get("type")
     parser = _PARSERS.get(kind) if isinstance(kind, str) else None
     if parser is None:
-        raise BadRequest(f"unknown message type {kind!r}")
+        raise BadRequest(f"unknown message type {_echo(kind)}")
     if "id" in data and message_id(data) is None:
         # Acting on it while dropping the id would leave the client waiting for an answer.
         raise BadRequest(f"id must be an integer or a string of at most {MAX_ID_CHARS} chars")
@@ -83,23 +130,26 @@ def message_id(data: Any) -> str | int | None:
     """The client's ``id``, if it is a usable one (echoed even on errors)."""
     if isinstance(data, dict):
         value = data.get("id")
-        if isinstance(value, str) and len(value) <= MAX_ID_CHARS:
+        # Only what can be echoed back in any codec: the reply must be encodable.
+        if isinstance(value, str) and len(value) <= MAX_ID_CHARS and _is_unicode(value):
             return value
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool) and MIN_INT <= value <= MAX_INT:
             return value
     return None
 
 
 def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(str(k) for k in data if k not in allowed)
+    unknown = sorted(_echo(k) for k in data if k not in allowed)
     if unknown:
-        raise BadRequest(f"unknown fields: {', '.join(unknown)}")
+        raise BadRequest(f"unknown fields: {', '.join(unknown[:8])}")
 
 
-def _string(data: dict[str, Any], name: str) -> str:
+def _string(data: dict[str, Any], name: str, max_chars: int | None = None) -> str:
     value = data.get(name)
     if not isinstance(value, str) or not value:
         raise BadRequest(f"{name} must be a non-empty string")
+    if max_chars is not None and len(value) > max_chars:
+        raise BadRequest(f"{name} must be at most {max_chars} characters")
     return value
 
 
@@ -112,8 +162,10 @@ def _parse_messages(raw: Any, limits: Limits) -> list[dict[str, str]]:
     for item in raw:
         if not isinstance(item, dict) or set(item) != {"role", "content"}:
             raise BadRequest("each message must be {role, content}")
-        if item["role"] not in ROLES or not isinstance(item["content"], str):
-            raise BadRequest(f"role must be one of {sorted(ROLES)} and content a string")
+        if not isinstance(item["role"], str) or item["role"] not in ROLES:
+            raise BadRequest(f"role must be one of {sorted(ROLES)}")
+        if not isinstance(item["content"], str):
+            raise BadRequest("content must be a string")
         out.append({"role": item["role"], "content": item["content"]})
     return out
 
@@ -133,15 +185,18 @@ def _parse_generate(data: dict[str, Any], limits: Limits) -> Generate:
         params = GenerationParams.parse(data.get("params"))
     except ParamsError as exc:
         raise BadRequest(str(exc)) from exc
-    session = _string(data, "session") if "session" in data else None
-    token = _string(data, "token") if "token" in data else None
+    session = _string(data, "session", MAX_ID_CHARS) if "session" in data else None
+    token = _string(data, "token", MAX_ID_CHARS) if "token" in data else None
     return Generate(message_id(data), messages, prompt, params, session, token)
 
 
 def _parse_command(data: dict[str, Any], _: Limits) -> SessionCommand:
     _check_fields(data, {"type", "id", "session", "token"})
     return SessionCommand(
-        data["type"], message_id(data), _string(data, "session"), _string(data, "token")
+        data["type"],
+        message_id(data),
+        _string(data, "session", MAX_ID_CHARS),
+        _string(data, "token", MAX_ID_CHARS),
     )
 
 
@@ -152,7 +207,8 @@ def _parse_resume(data: dict[str, Any], _: Limits) -> Resume:
         raise BadRequest("after must be a non-negative integer")
     if turn is not None and (isinstance(turn, bool) or not isinstance(turn, int) or turn < 1):
         raise BadRequest("turn must be a positive integer")
-    return Resume(message_id(data), _string(data, "session"), _string(data, "token"), after, turn)
+    session, token = _string(data, "session", MAX_ID_CHARS), _string(data, "token", MAX_ID_CHARS)
+    return Resume(message_id(data), session, token, after, turn)
 
 
 _PARSERS: dict[str, Any] = {
@@ -246,8 +302,10 @@ class JsonCodec:
             raise BadRequest("this connection speaks JSON in text frames")
         try:
             return json.loads(frame)
+        except RecursionError as exc:
+            raise BadRequest(f"message is nested more than {MAX_DEPTH} deep") from exc
         except ValueError as exc:
-            raise BadRequest(f"malformed JSON: {exc}") from exc
+            raise BadRequest(f"malformed JSON: {_cut(str(exc))}") from exc
 
 
 @dataclass(frozen=True)
@@ -263,7 +321,13 @@ class MsgpackCodec:
         try:
             return msgpack.unpackb(frame, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises several unrelated types
-            raise BadRequest(f"malformed msgpack: {exc}") from exc
+            raise BadRequest(f"malformed msgpack: {_cut(str(exc))}") from exc
+
+
+def _cut(text: str) -> str:
+    """A library's error text quoted back: short, and free of lone surrogates."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def codec_for(subprotocol: str | None) -> Codec:

@@ -30,7 +30,7 @@ from wsinfer.messages import (
     paused_message,
     session_message,
 )
-from wsinfer.sessions.schema import DeltaEvent, DoneEvent, PausedEvent, TurnEvent
+from wsinfer.sessions.schema import DeltaEvent, DoneEvent, PausedEvent, TurnEvent, Usage
 
 
 @dataclass
@@ -54,6 +54,9 @@ class ConnectionProtocol:
         self.limits = limits or Limits()
         self.feeds: dict[str, Feed] = {}  # session -> feed
         self._outbox: list[dict[str, Any]] = []
+        # Roughly how many bytes the outbox will encode to: the adapter pauses
+        # a connection's sources while its client is not reading.
+        self.outbox_bytes = 0
 
     # --- input --------------------------------------------------------------------
 
@@ -70,13 +73,13 @@ class ConnectionProtocol:
     # --- outcomes reported by the adapter ---------------------------------------------
 
     def accepted(self, msg_id: str | int | None, session: str, token: str, turn: int) -> None:
-        self._outbox.append(session_message(session, token, turn, msg_id))
+        self._queue(session_message(session, token, turn, msg_id))
         self.follow(session, turn, after=0)
 
     def fail(
         self, exc: WsinferError, *, msg_id: str | int | None = None, session: str | None = None
     ) -> None:
-        self._outbox.append(
+        self._queue(
             error_message(
                 exc.code, exc.message, msg_id=msg_id, session=session, retry_after=exc.retry_after
             )
@@ -89,8 +92,19 @@ class ConnectionProtocol:
     def unfollow(self, session: str) -> None:
         self.feeds.pop(session, None)
 
+    def lost(self, session: str, reason: str) -> None:
+        """The session vanished under a follower (closed elsewhere, expired, or
+        its state lost with Redis): end its turn for this connection with an error."""
+        feed = self.feeds.pop(session, None)
+        if feed is None:
+            return
+        usage = Usage(completion_tokens=feed.last_seq)
+        error = {"code": "not_found", "message": reason}
+        event = DoneEvent(feed.last_seq, "error", usage, error)
+        self._queue(done_message(session, feed.turn, event))
+
     def notify_paused(self, session: str, turn: int, seq: int) -> None:
-        self._outbox.append(paused_message(session, turn, seq))
+        self._queue(paused_message(session, turn, seq))
 
     def replay(self, session: str, turn: int, events: list[TurnEvent]) -> None:
         """Deliver a turn's history: a ``paused`` that was later resumed is stale."""
@@ -109,10 +123,10 @@ class ConnectionProtocol:
             if isinstance(event, DeltaEvent):
                 self._deliver_delta(feed, event)
             elif isinstance(event, PausedEvent):
-                self._outbox.append(paused_message(session, turn, event.seq))
+                self._queue(paused_message(session, turn, event.seq))
             elif isinstance(event, DoneEvent):
                 feed.last_seq = max(feed.last_seq, event.seq)
-                self._outbox.append(done_message(session, turn, event))
+                self._queue(done_message(session, turn, event))
                 self.unfollow(session)
                 feed = None
 
@@ -121,18 +135,41 @@ class ConnectionProtocol:
             return
         feed.last_seq = event.seq
         if event.text:  # tokens still held back (partial UTF-8, stop prefix) carry no text
-            self._outbox.append(delta_message(feed.session, feed.turn, event.seq, event.text))
+            self._queue(delta_message(feed.session, feed.turn, event.seq, event.text))
 
     # --- output ---------------------------------------------------------------------
 
+    def _queue(self, message: dict[str, Any]) -> None:
+        self._outbox.append(message)
+        self.outbox_bytes += _MESSAGE_OVERHEAD + len(message.get("text", ""))
+
     def data_to_send(self) -> list[Outgoing]:
         messages, self._outbox = _coalesce(self._outbox), []
-        return [Outgoing(self.codec.encode(m), m) for m in messages]
+        self.outbox_bytes = 0
+        return [self._encode(m) for m in messages]
+
+    def _encode(self, message: dict[str, Any]) -> Outgoing:
+        """Encode one message; one that cannot be (a bug) becomes an ``internal``
+        error, so a connection is never dropped over an unsendable reply."""
+        try:
+            return Outgoing(self.codec.encode(message), message)
+        except (TypeError, ValueError, OverflowError) as exc:  # UnicodeError is a ValueError
+            text = f"unsendable {message.get('type')} reply: {exc!r}"[:200]
+            error = error_message("internal", text)
+            return Outgoing(self.codec.encode(error), error)
+
+
+# Bytes a message costs beyond its text (keys, ids, framing), for the budget.
+_MESSAGE_OVERHEAD = 96
 
 
 def _coalesce(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Merge runs of deltas of the same turn: one frame, the latest seq, all text."""
+    """Merge runs of deltas of the same turn: one frame, the latest seq, all text.
+
+    Texts are joined once per run (not pairwise), so a long replay stays linear.
+    """
     out: list[dict[str, Any]] = []
+    texts: list[str] = []  # the texts of the run of deltas that ends ``out``
     for message in messages:
         prev = out[-1] if out else None
         if (
@@ -142,7 +179,13 @@ def _coalesce(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             and prev["session"] == message["session"]
             and prev["turn"] == message["turn"]
         ):
-            out[-1] = {**prev, "seq": message["seq"], "text": prev["text"] + message["text"]}
-        else:
-            out.append(message)
+            texts.append(message["text"])
+            out[-1] = {**prev, "seq": message["seq"]}
+            continue
+        if texts and len(texts) > 1:
+            out[-1]["text"] = "".join(texts)
+        texts = [message["text"]] if message["type"] == "delta" else []
+        out.append(message)
+    if len(texts) > 1:
+        out[-1]["text"] = "".join(texts)
     return out

@@ -27,12 +27,20 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from wsinfer.errors import WsinferError, to_protocol_error
+from wsinfer.errors import (
+    ClientError,
+    Overloaded,
+    StoreUnavailable,
+    WsinferError,
+    to_protocol_error,
+)
 from wsinfer.fanin import FanIn
 from wsinfer.handlers import Handlers
+from wsinfer.limits import CapacityGate, LogThrottle, TokenBucket, origin_allowed
 from wsinfer.messages import SUBPROTOCOLS, Limits, codec_for
 from wsinfer.metrics import Metrics
 from wsinfer.protocol import ConnectionProtocol, Outgoing
+from wsinfer.sessions.connection import DEFAULT_POOL_SIZE, async_client
 from wsinfer.sessions.store import SessionStore
 
 log = structlog.get_logger("wsinfer.frontend")
@@ -52,6 +60,13 @@ class FrontendConfig:
     max_frame_bytes: int = 1 << 20
     touch_interval_s: float = 5.0
     engine_heartbeat_s: float = 5.0  # an engine silent longer than this is not counted
+    redis_pool_size: int = DEFAULT_POOL_SIZE  # requests beyond it wait for a connection
+    # Per connection: output waiting for a slow reader before its sources pause,
+    # and requests per second (bursts of twice that) before `overloaded`.
+    max_outgoing_bytes: int = 1 << 20
+    request_rate: float = 50.0
+    # Web origins allowed besides the page's own and localhost ("*": any).
+    allowed_origins: frozenset[str] = frozenset()
     limits: Limits = field(default_factory=Limits)
 
 
@@ -61,13 +76,17 @@ class Frontend:
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
         self.id = f"frontend-{uuid.uuid4().hex[:8]}"
-        self.redis = aioredis.from_url(config.redis_url)
-        # The fan-in blocks in XREAD: it gets a connection of its own.
-        self.fanin_redis = aioredis.from_url(config.redis_url, socket_timeout=None)
+        self.redis = async_client(config.redis_url, pool_size=config.redis_pool_size)
+        # The fan-in blocks in XREAD: it gets connections of its own.
+        self.fanin_redis = async_client(config.redis_url, pool_size=4, read_timeout_s=None)
         self.store = SessionStore(self.redis, ttl_s=config.session_ttl_s)
+        self.capacity = CapacityGate(
+            lambda: self.store.capacity(config.engine_heartbeat_s), config.max_queued_turns
+        )
         self.fanin = FanIn(self.fanin_redis, self.id)
         self.metrics = Metrics()
         self.connections: set[Connection] = set()
+        self.log_throttle = LogThrottle()
         self._tasks: list[asyncio.Task[None]] = []
         self.server: Server | None = None
 
@@ -99,8 +118,16 @@ class Frontend:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.fanin.close()
         await self.redis.aclose()
         await self.fanin_redis.aclose()
+
+    def log_limited(self, level: str, event: str, **fields: Any) -> None:
+        """Log unless this event (and code) was logged too often lately."""
+        allowed, suppressed = self.log_throttle.allow(f"{event}:{fields.get('code', '')}")
+        if allowed:
+            extra = {"suppressed": suppressed} if suppressed else {}
+            getattr(log, level)(event, frontend=self.id, **fields, **extra)
 
     async def _touch(self) -> None:
         """Keep followed sessions marked as watched (idle pause) and alive (TTL)."""
@@ -110,17 +137,33 @@ class Frontend:
             for conn in self.connections:
                 followed.update({s: f.turn for s, f in conn.protocol.feeds.items()})
             self.metrics.active_sessions.set(len(followed))
-            if followed:
-                try:
-                    await self.store.touch(followed)
-                except aioredis.RedisError:
-                    log.warning("touch failed")
+            if not followed:
+                continue
+            try:
+                gone = await self.store.touch(followed)
+            except aioredis.RedisError as exc:
+                self.log_limited("warning", "redis unavailable: cannot touch", error=str(exc))
+                continue
+            for session in gone:
+                self._session_lost(session)
+
+    def _session_lost(self, session: str) -> None:
+        for conn in list(self.connections):
+            if session in conn.protocol.feeds:
+                self.fanin.unsubscribe((conn.id, session))
+                conn.protocol.lost(session, "the session no longer exists (closed or expired)")
+                conn.flush()
 
     # --- HTTP on the same port -------------------------------------------------
 
     async def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         path = urlsplit(request.path).path
         if path == "/v1/ws":
+            headers = request.headers
+            if not origin_allowed(
+                headers.get("Origin"), headers.get("Host"), self.config.allowed_origins
+            ):
+                return _text(HTTPStatus.FORBIDDEN, "origin not allowed (see --allowed-origin)\n")
             return (
                 None
                 if self._authorized(request)
@@ -150,7 +193,9 @@ class Frontend:
             await self.redis.ping()
             engines = await self.store.engines_alive(self.config.engine_heartbeat_s)
         except aioredis.RedisError as exc:
-            return _text(HTTPStatus.SERVICE_UNAVAILABLE, f"redis unavailable: {exc}\n")
+            # Unauthenticated: say what is wrong, not where Redis lives.
+            self.log_limited("warning", "healthz: redis unavailable", error=str(exc))
+            return _text(HTTPStatus.SERVICE_UNAVAILABLE, "redis unavailable\n")
         if engines == 0:
             return _text(HTTPStatus.SERVICE_UNAVAILABLE, "no engine is answering\n")
         return _text(HTTPStatus.OK, f"ok: {engines} engine(s)\n")
@@ -181,12 +226,20 @@ class Connection:
         self.handlers = Handlers(self)
         self._wakeup = asyncio.Event()
         self._turn_clock: dict[tuple[str, int], tuple[float, int, bool]] = {}
+        config = frontend.config
+        self.bucket = TokenBucket(config.request_rate, max(1.0, 2 * config.request_rate))
+        self.congested = False  # the client is not reading: sources are paused
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._unsent = 0  # bytes taken from the protocol, not yet handed to the socket
 
     async def run(self) -> None:
         writer = asyncio.create_task(self._write())
         try:
             async for frame in self.ws:
                 await self._on_frame(frame)
+                # A client that sends but does not read is not read from either.
+                await self._drained.wait()
         except ConnectionClosed:
             pass
         finally:
@@ -195,27 +248,66 @@ class Connection:
 
     async def _on_frame(self, frame: str | bytes) -> None:
         message = self.protocol.receive(frame)
-        if message is not None:
+        wait = self.bucket.take() if message is not None else 0.0
+        if message is not None and wait > 0:
+            limited = Overloaded("too many requests on this connection", retry_after=round(wait, 3))
+            self.protocol.fail(
+                limited, msg_id=message.id, session=getattr(message, "session", None)
+            )
+        elif message is not None:
             try:
                 await self.handlers.handle(message)
             except Exception as exc:  # every failure becomes an error message
                 error = to_protocol_error(exc)
-                if not isinstance(exc, WsinferError):
-                    self.log.exception("request failed", type=type(message).__name__)
+                self._log_failure(exc, error, type(message).__name__)
                 session = getattr(message, "session", None)
                 self.protocol.fail(error, msg_id=message.id, session=session)
         self.flush()
 
+    def _log_failure(self, exc: Exception, error: WsinferError, request: str) -> None:
+        """Client mistakes are one INFO line; outages one WARNING; only our own
+        bugs get a traceback. Repeats of each are rate-limited."""
+        if isinstance(error, ClientError):
+            self.frontend.log_limited("info", "request refused", code=error.code, request=request)
+        elif isinstance(error, StoreUnavailable):
+            self.frontend.log_limited("warning", "redis unavailable", error=str(exc))
+        elif isinstance(exc, WsinferError):
+            self.frontend.log_limited("warning", "request failed", code=error.code)
+        else:
+            self.frontend.log_limited("exception", "request failed", request=request)
+
     def flush(self) -> None:
         self._wakeup.set()
+        self._check_pressure()
 
     async def _write(self) -> None:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            for out in self.protocol.data_to_send():
+            batch = self.protocol.data_to_send()
+            self._unsent = sum(len(out.frame) for out in batch)
+            for out in batch:
                 self._observe(out)
-                await self.ws.send(out.frame)
+                await self.ws.send(out.frame)  # waits while the client does not read
+                self._unsent -= len(out.frame)
+                self._check_pressure()
+
+    def _check_pressure(self) -> None:
+        """Pause this connection's sources (its requests, its turns' streams) while
+        more than ``max_outgoing_bytes`` wait for the client; resume at half."""
+        pending = self.protocol.outbox_bytes + self._unsent
+        limit = self.frontend.config.max_outgoing_bytes
+        fanin = self.frontend.fanin
+        if not self.congested and pending > limit:
+            self.congested = True
+            self._drained.clear()
+            for session in self.protocol.feeds:
+                fanin.pause((self.id, session))
+        elif self.congested and pending <= limit // 2:
+            self.congested = False
+            self._drained.set()
+            for session in self.protocol.feeds:
+                fanin.resume((self.id, session))
 
     def started_turn(self, session: str, turn: int) -> None:
         self._turn_clock[(session, turn)] = (time.monotonic(), 0, False)

@@ -18,7 +18,13 @@ from wsinfer.sessions.schema import (
     Usage,
 )
 from wsinfer.sessions.states import IllegalTransition
-from wsinfer.sessions.store import ModeMismatch, SessionNotFound, SessionStore, TurnInput
+from wsinfer.sessions.store import (
+    CLOSE_LINGER_S,
+    ModeMismatch,
+    SessionNotFound,
+    SessionStore,
+    TurnInput,
+)
 from wsinfer.sessions.worker import Publish, WorkerStore
 
 CHAT = TurnInput("chat", [{"role": "user", "content": "hi"}], None, GenerationParams())
@@ -158,7 +164,16 @@ async def test_close_deletes_everything_and_the_engine_notices(
     _, claimed = _claim_next(worker)
     worker.publish_many([Publish(session, 1, claimed.epoch, 1, [DeltaEvent(1, "a", [7])])])
     await store.close(session, token)
-    assert redis_client.keys(f"*{session}*") == []
+    # Only the running turn's stream stays, briefly, ending in a cancelled done
+    # for followers on other connections.
+    stream = keys.turn_stream(session, 1)
+    assert redis_client.keys(f"*{session}*") == [stream.encode()]
+    assert 0 < redis_client.ttl(stream) <= CLOSE_LINGER_S
+    events, _ = await store.read_turn(session, 1)
+    assert isinstance(events[-1], DoneEvent) and events[-1].finish_reason == "cancelled"
+    assert events[-1].seq == 1
+    with pytest.raises(SessionNotFound):
+        await store.info(session, token)
     assert worker.poll([(session, 1)]) == {}
     gone = worker.publish_many([Publish(session, 1, claimed.epoch, 2, [DeltaEvent(2, "b", [8])])])
     assert gone[0].outcome == "not_found"
@@ -230,8 +245,11 @@ async def test_touch_does_not_bring_back_a_closed_session(
 ) -> None:
     session, token = await store.create(CHAT)
     await store.close(session, token)
-    await store.touch({session: 1})  # a follower on another connection, a moment late
-    assert not redis_client.exists(*keys.session_keys(session, 1))
+    # A follower on another connection, a moment late: told the session is gone.
+    assert await store.touch({session: 1}) == [session]
+    lingering = keys.turn_stream(session, 1)
+    assert not redis_client.exists(*[k for k in keys.session_keys(session, 1) if k != lingering])
+    assert 0 < redis_client.ttl(lingering) <= CLOSE_LINGER_S
 
 
 async def test_a_stop_that_meets_the_engines_pause_still_cancels_the_turn(
