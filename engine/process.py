@@ -22,6 +22,7 @@ import structlog
 
 from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest, RequestOutput
 from wsinfer.engine.model import LoadedModel, load_model
+from wsinfer.engine.outage import OutageGuard
 from wsinfer.engine.prompts import render_chat, render_text
 from wsinfer.sessions.connection import sync_client
 from wsinfer.sessions.schema import DeltaEvent, DoneEvent, PausedEvent, TurnEvent, Usage
@@ -54,6 +55,7 @@ class ActiveTurn:
     prompt_tokens: int
     seq: int = 0
     announced: bool = False  # prompt_tokens recorded in the session meta
+    published: int = 0  # publishes Redis took since the claim (makes a retry idempotent)
 
 
 class EngineProcess:
@@ -71,6 +73,8 @@ class EngineProcess:
         self._next_heartbeat = 0.0
         self._next_takeover = 0.0
         self._next_poll = 0.0
+        self._guard = OutageGuard(config.engine_id, store.ensure_group)
+        self._unpublished: list[RequestOutput] = []  # a step whose publish met an outage
 
     # --- lifecycle --------------------------------------------------------------
 
@@ -81,7 +85,7 @@ class EngineProcess:
         log.info("engine ready", engine=self.config.engine_id, model=self.loaded.name)
         try:
             while not self._stopping:
-                if self._iteration() is False:
+                if self._guard.run(self._iteration) is False:
                     break
         finally:
             # Unfinished turns are not acked: their leases expire and another
@@ -106,7 +110,9 @@ class EngineProcess:
         block = None if busy else self.config.idle_block_ms
         if self._capacity() > 0:
             self._admit(self.store.read_work(self._capacity(), block), False)
-        if self.core.has_unfinished():
+        if self._unpublished:  # never step past output Redis has not taken
+            self._publish(self._unpublished)
+        elif self.core.has_unfinished():
             self._poll_controls()
             self._step()
         return not (self.config.drain and not busy and not self.core.has_unfinished())
@@ -184,7 +190,11 @@ class EngineProcess:
             seq,
             "error",
             Usage(completion_tokens=seq),
-            {"code": "internal", "message": f"engine could not start the turn: {exc}"},
+            # A missing input means the session expired under the turn: the
+            # client's mistake to wait that long, not our fault.
+            {"code": "not_found", "message": "the session expired"}
+            if isinstance(exc, LookupError)
+            else {"code": "internal", "message": "engine could not start the turn"},
         )
         self.store.publish_many(
             [Publish(claimed.session, claimed.turn, claimed.epoch, seq, [done])]
@@ -235,6 +245,7 @@ class EngineProcess:
             for request_id in list(self.active):
                 self.core.abort(request_id)
             self.core.step()  # flush the aborts
+        self._unpublished = outputs
         self._publish(outputs)
 
     def _crashed_output(self, request_id: str, exc: Exception) -> RequestOutput:
@@ -261,8 +272,10 @@ class EngineProcess:
             if turn is not None:
                 publishes.append((out.request_id, self._to_publish(turn, out)))
         if not publishes:
+            self._unpublished = []
             return
         results = self.store.publish_many([p for _, p in publishes])
+        self._unpublished = []
         for (request_id, item), result in zip(publishes, results, strict=True):
             self._after_publish(request_id, item, result.outcome)
 
@@ -270,7 +283,7 @@ class EngineProcess:
         events: list[TurnEvent] = []
         if out.new_token_ids or out.text:
             events.append(DeltaEvent(out.num_generated, out.text, list(out.new_token_ids)))
-        fields: dict[str, Any] = {}
+        fields: dict[str, Any] = {"pub": turn.published + 1}
         if not turn.announced:
             fields["prompt_tokens"] = turn.prompt_tokens
         if out.finished or out.paused:
@@ -285,6 +298,7 @@ class EngineProcess:
     def _after_publish(self, request_id: str, item: Publish, outcome: str) -> None:
         turn = self.active[request_id]
         turn.announced = True
+        turn.published += 1
         if outcome != "ok":
             # fenced (taken over), not_found (closed) or illegal: stop running it.
             log.warning("turn lost", session=turn.session, turn=turn.turn, outcome=outcome)

@@ -125,7 +125,7 @@ if redis.call('HGET', meta, 'turn') ~= ARGV[2] then return {'stale'} end
 local status = redis.call('HGET', meta, 'status')
 if not allowed(status, ARGV[4]) then return {'illegal', status} end
 redis.call('HINCRBY', meta, 'epoch', 1)
-redis.call('HSET', meta, 'status', ARGV[5], 'engine', ARGV[1], 'claimed_at', ARGV[3])
+redis.call('HSET', meta, 'status', ARGV[5], 'engine', ARGV[1], 'claimed_at', ARGV[3], 'pub', 0)
 local reply = {'ok'}
 for _, v in ipairs(redis.call('HGETALL', meta)) do table.insert(reply, v) end
 return reply
@@ -140,12 +140,22 @@ return reply
 # KEYS: meta, turn_stream
 # ARGV: engine_id, epoch, ttl, seq, final_allowed_from ('' = not final),
 #       final_target, stop_allowed_from, stop_target ('' = no pending stop to
-#       apply), n_events, events..., then field/value pairs to set
+#       apply), n_events, events..., then field/value pairs to set (``pub``:
+#       the engine's publish number for this claim, for idempotent retries)
 PUBLISH = (
     _PRELUDE
     + """
 local meta = KEYS[1]
 if redis.call('EXISTS', meta) == 0 then return {'not_found'} end
+local n = tonumber(ARGV[9])
+-- A retry of a publish Redis already took (the reply was lost to an outage)
+-- is acknowledged without writing anything twice.
+local pub = nil
+for i = 10 + n, #ARGV, 2 do if ARGV[i] == 'pub' then pub = tonumber(ARGV[i + 1]) end end
+if pub and redis.call('HGET', meta, 'epoch') == ARGV[2]
+  and (tonumber(redis.call('HGET', meta, 'pub')) or 0) >= pub then
+  return {'ok', redis.call('HGET', meta, 'control'), redis.call('HGET', meta, 'seen_at')}
+end
 if redis.call('HGET', meta, 'engine') ~= ARGV[1] or redis.call('HGET', meta, 'epoch') ~= ARGV[2]
 then
   return {'fenced'}
@@ -155,7 +165,6 @@ local status = redis.call('HGET', meta, 'status')
 if final and not allowed(status, ARGV[5]) then return {'illegal', status} end
 local stop_pending = final and ARGV[8] ~= '' and redis.call('HGET', meta, 'control') == 'stop'
   and allowed(ARGV[6], ARGV[7])
-local n = tonumber(ARGV[9])
 local written = n
 if stop_pending then written = n - 1 end  -- the paused event gives way to the done
 for i = 1, written do redis.call('XADD', KEYS[2], '*', 'm', ARGV[9 + i]) end

@@ -119,11 +119,37 @@ class WorkerStore:
                     raise
 
     def heartbeat(self) -> None:
-        self.redis.zadd(keys.ENGINES, {self.engine_id: time.time()})
+        """Say this engine is alive; the shared keys live while some engine does.
+
+        The registry and the queues expire ``ttl_s`` after the last engine's
+        last heartbeat: by then every session they could mention is gone too.
+        """
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(keys.ENGINES, {self.engine_id: time.time()})
+        for key in (keys.ENGINES, keys.REQUESTS, self.own_queue):
+            pipe.expire(key, self.ttl_s)
+        pipe.execute()
 
     def deregister(self) -> None:
-        """Mark this engine dead at once; the others drain its own queue."""
-        self.redis.zadd(keys.ENGINES, {self.engine_id: 0})
+        """Mark this engine dead at once; the others drain its own queue.
+
+        With nothing left in its own queue, it is simply forgotten.
+        """
+        if self._drained(self.own_queue):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.zrem(keys.ENGINES, self.engine_id)
+            pipe.delete(self.own_queue)
+            pipe.execute()
+        else:
+            self.redis.zadd(keys.ENGINES, {self.engine_id: 0})
+
+    def _drained(self, stream: str) -> bool:
+        """Nothing in ``stream`` waits to be read or acknowledged."""
+        try:
+            groups = self.redis.xinfo_groups(stream)
+        except redis.ResponseError:  # no such stream
+            return True
+        return all(not g.get("pending") and not g.get("lag") for g in groups)
 
     def read_work(self, count: int, block_ms: int | None) -> list[WorkItem]:
         streams = {self.own_queue: ">", keys.REQUESTS: ">"}  # our own (cache hits) first

@@ -52,11 +52,16 @@ def find_redis_server() -> str:
 
 
 class EmbeddedRedis:
-    """A private Redis on a unix socket in a state dir; nothing persisted."""
+    """A private Redis on a unix socket in a state dir.
 
-    def __init__(self, state_dir: Path) -> None:
+    ``appendfsync`` (``always``, ``everysec``) turns on the append-only file, so
+    that a Redis restarted after a crash comes back with every session.
+    """
+
+    def __init__(self, state_dir: Path, appendfsync: str | None = None) -> None:
         self.state_dir = state_dir
         self.socket = state_dir / "redis.sock"
+        self.appendfsync = appendfsync
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -74,8 +79,11 @@ class EmbeddedRedis:
             "700",
             "--save",
             "",
-            "--appendonly",
-            "no",
+            *(
+                ["--appendonly", "yes", "--appendfsync", self.appendfsync]
+                if self.appendfsync
+                else ["--appendonly", "no"]
+            ),
             "--dir",
             str(self.state_dir),
             "--logfile",
@@ -85,8 +93,9 @@ class EmbeddedRedis:
         client = redis.Redis(unix_socket_path=str(self.socket))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with contextlib.suppress(redis.ConnectionError, FileNotFoundError):
+            with contextlib.suppress(redis.ConnectionError, redis.BusyLoadingError, OSError):
                 if client.ping():
+                    client.close()
                     return
             if self.process.poll() is not None:
                 break

@@ -365,3 +365,30 @@ async def test_no_routing_to_a_silent_engine(
     await store.add_turn(session, token, CHAT)
     assert redis_client.xlen(keys.engine_requests("engine-a")) == 0
     assert worker.read_work(10, None)[0].stream == keys.REQUESTS
+
+
+async def test_a_cleanly_stopped_engine_with_no_work_leaves_no_keys(
+    worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    worker.heartbeat()
+    for key in (keys.ENGINES, keys.REQUESTS, worker.own_queue):
+        assert 0 < redis_client.ttl(key) <= 60  # shared keys live only while engines do
+    worker.deregister()
+    assert redis_client.zscore(keys.ENGINES, "engine-a") is None
+    assert not redis_client.exists(worker.own_queue)
+
+
+async def test_a_publish_retried_after_a_lost_reply_is_not_applied_twice(
+    store: SessionStore, worker: WorkerStore
+) -> None:
+    session, _ = await store.create(CHAT)
+    _, claimed = _claim_next(worker)
+    step = Publish(session, 1, claimed.epoch, 1, [DeltaEvent(1, "a", [7])], {"pub": 1})
+    assert worker.publish_many([step])[0].outcome == "ok"
+    assert worker.publish_many([step])[0].outcome == "ok"  # the retry
+    assert worker.read_generated(session, 1) == ([7], 1)
+    done = Publish(session, 1, claimed.epoch, 1, [DoneEvent(1, "stop", Usage())], {"pub": 2})
+    assert worker.publish_many([done])[0].outcome == "ok"
+    assert worker.publish_many([done])[0].outcome == "ok"  # not fenced: the same publish
+    events, _ = await store.read_turn(session, 1)
+    assert [type(e).__name__ for e in events] == ["DeltaEvent", "DoneEvent"]
