@@ -3,7 +3,9 @@
 Children are started with a parent-death signal, so even a ``kill -9`` of the
 supervisor leaves no orphans; a clean Ctrl-C stops them in order (frontend,
 engine, Redis). An engine that dies is restarted: its turns are taken over
-from the token log once their lease expires.
+from the token log once their lease expires. A private Redis that dies is
+restarted from its append-only file; a child that keeps dying ends ``serve``
+with a non-zero status.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import redis
@@ -123,12 +125,30 @@ def _terminate(process: subprocess.Popen[bytes] | None, grace_s: float) -> None:
         process.wait()
 
 
+class RestartBudget:
+    """At most ``max_restarts`` within ``window_s``: a child that keeps dying
+    is a fault to report (non-zero exit), not a loop to hide."""
+
+    def __init__(self, max_restarts: int = 5, window_s: float = 60.0) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._times: list[float] = []
+
+    def spend(self) -> bool:
+        now = time.monotonic()
+        self._times = [t for t in self._times if now - t < self.window_s]
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+
 class EngineSupervisor:
     """Runs ``wsinfer engine`` as a child and restarts it if it dies."""
 
-    def __init__(self, argv: list[str], max_restarts: int = 5) -> None:
+    def __init__(self, argv: list[str], budget: RestartBudget | None = None) -> None:
         self.argv = argv
-        self.max_restarts = max_restarts
+        self.budget = budget or RestartBudget()
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
 
@@ -136,22 +156,56 @@ class EngineSupervisor:
         command = [sys.executable, "-m", "wsinfer", "engine", *self.argv]
         self.process = _spawn(command)
 
-    async def watch(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            assert self.process is not None
-            code = self.process.poll()
-            if code is None:
-                continue
-            if self.restarts >= self.max_restarts:
-                log.error("engine keeps dying; giving up", exit_code=code)
-                return
-            self.restarts += 1
-            log.error("engine exited; restarting", exit_code=code, restart=self.restarts)
-            self.start()
+    async def check(self) -> bool:
+        """Restart a dead engine (reaping it); False once that keeps failing."""
+        assert self.process is not None
+        code = self.process.poll()
+        if code is None:
+            return True
+        if not self.budget.spend():
+            log.error("engine keeps dying; giving up", exit_code=code)
+            return False
+        self.restarts += 1
+        log.error("engine exited; restarting", exit_code=code, restart=self.restarts)
+        self.start()
+        return True
 
     def stop(self) -> None:
         _terminate(self.process, 10.0)
+
+
+class RedisSupervisor:
+    """Restarts the private Redis if it dies (its append-only file brings the
+    sessions back); engine and frontend reconnect on their own."""
+
+    def __init__(self, redis: EmbeddedRedis, budget: RestartBudget | None = None) -> None:
+        self.redis = redis
+        self.budget = budget or RestartBudget()
+
+    async def check(self) -> bool:
+        process = self.redis.process
+        code = None if process is None else process.poll()  # poll() reaps it
+        if code is None:
+            return True
+        if not self.budget.spend():
+            log.error("private redis keeps dying; giving up", exit_code=code)
+            return False
+        log.error("private redis exited; restarting", exit_code=code)
+        try:
+            await asyncio.to_thread(self.redis.start)
+        except SystemExit as exc:
+            log.error("private redis does not start again", error=str(exc))
+            return False
+        return True
+
+
+async def supervise(checks: list[Callable[[], Awaitable[bool]]], interval_s: float = 1.0) -> None:
+    """Run every check each interval; return when one says it cannot go on."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for check in checks:
+            if not await check():
+                return
 
 
 async def wait_for_engine(frontend: Frontend, engine: EngineSupervisor, timeout_s: float) -> bool:
@@ -173,13 +227,19 @@ async def serve_all(
     announce: Callable[[str], None] = print,
     ready_timeout_s: float = 600.0,
 ) -> int:
+    """Returns the exit status: 0 after a signal, 1 when something could not go on."""
     state_dir = Path(tempfile.mkdtemp(prefix="wsinfer-"))
-    embedded = None if redis_url else EmbeddedRedis(state_dir)
+    # everysec: a crash loses at most a second of output, which the engine
+    # still holds and publishes again.
+    embedded = None if redis_url else EmbeddedRedis(state_dir, appendfsync="everysec")
     if embedded is not None:
         embedded.start()
         log.info("private redis started", url=embedded.url)
     config.redis_url = redis_url or embedded.url  # type: ignore[union-attr]
     engine = EngineSupervisor([*engine_argv, "--redis-url", config.redis_url, "--exit-with-parent"])
+    checks: list[Callable[[], Awaitable[bool]]] = [engine.check]
+    if embedded is not None:
+        checks.append(RedisSupervisor(embedded).check)
     frontend = Frontend(config)
     try:
         engine.start()
@@ -189,8 +249,7 @@ async def serve_all(
             return 1
         url = f"ws://{config.host}:{frontend.port}/v1/ws"
         announce(f"wsinfer: serving on {url}  (chat page: http://{config.host}:{frontend.port}/)")
-        await _until_signal(engine)
-        return 0
+        return 0 if await _until_signal(checks) else 1
     finally:
         await frontend.stop()
         engine.stop()
@@ -200,13 +259,15 @@ async def serve_all(
         log.info("stopped")
 
 
-async def _until_signal(engine: EngineSupervisor) -> None:
+async def _until_signal(checks: list[Callable[[], Awaitable[bool]]]) -> bool:
+    """True when stopped by a signal, False when supervision gave up."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(engine.watch())
+    watcher = asyncio.create_task(supervise(checks))
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait({watcher, waiter}, return_when=asyncio.FIRST_COMPLETED)
     watcher.cancel()
     waiter.cancel()
+    return stop.is_set()
