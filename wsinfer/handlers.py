@@ -77,13 +77,17 @@ class Handlers:
     async def _replay_and_follow(self, session: str, turn: int, after: int) -> None:
         # Replay the history, then follow live from the last entry read, so
         # nothing falls between the two; anything sent twice is dropped by seq.
-        self.protocol.follow(session, turn, after)
         # Watched from now on, not from the next touch tick: a running turn
         # must not be idle-paused under a client that has just come back.
         if await self.store.touch({session: turn}):
-            self.protocol.unfollow(session)
             raise NotFound("no such session (or wrong token)")
-        events, last_id = await self.store.read_turn(session, turn)
+        self.protocol.follow(session, turn, after)
+        try:
+            events, last_id = await self.store.read_turn(session, turn)
+        except Exception:  # Redis went away: do not leave a feed nothing feeds
+            self.protocol.unfollow(session)
+            self.frontend.fanin.unsubscribe((self.conn.id, session))
+            raise
         self.protocol.replay(session, turn, events)
         if session in self.protocol.feeds:  # not yet done
             self._subscribe(session, turn, last_id)
