@@ -100,3 +100,22 @@ def test_mix_seed_spreads_neighbours() -> None:
     values = {mix_seed(s, i) for s in range(10) for i in range(10)}
     assert len(values) == 100
     assert all(0 <= v < 2**63 for v in values)
+
+
+def test_device_keys_are_the_host_hash() -> None:
+    from wsinfer.engine.sampling import row_keys
+
+    seeds = [42, 2**62 + 7, 5, fresh_seed()]
+    index = [0, 3, 1000, 7]
+    got = row_keys(torch.tensor(seeds), torch.tensor(index)).tolist()
+    assert got == [mix_seed(s, i) for s, i in zip(seeds, index, strict=True)]
+
+
+def test_a_draw_survives_last_bit_changes_of_the_logits() -> None:
+    # A rebuilt turn recomputes its context in a prefill: its logits differ from the
+    # decode's in the last bits. The exponential race must not care (inverse-CDF did).
+    # (Inverse-CDF sampling flips 3 of these 512 draws: the float32 cumulative sum moves.)
+    x = torch.randn(512, 49152, generator=torch.Generator().manual_seed(1)) * 3
+    nudged = x * (1 + 1e-6 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2)))
+    rows = [row(99, i, temperature=0.8) for i in range(512)]
+    assert sample(x, rows).tolist() == sample(nudged, rows).tolist()
