@@ -1,17 +1,20 @@
-"""EngineCore: slot-based continuous batching over a Hugging Face causal LM.
+"""EngineCore: continuous batching over a paged KV pool, decode as CUDA graphs.
 
 Knows nothing of transport: ``add`` / ``abort`` requests, call ``step`` in a
-loop, publish its outputs. Each step does
+loop, publish its outputs. Each step
 
-1. pending aborts, pauses and immediate errors;
-2. one chunk (``prefill_chunk_tokens``) of one newcomer's prefill, so running
-   streams wait at most one chunk before their next token;
-3. one decode forward over every running row, in one right-aligned KV batch
-   (see ``kvcache.KVBuffer``);
-4. one sampling call for all of them and a single device->host transfer.
+1. ends pending aborts and pauses (their KV is retained in the pool);
+2. admits waiting requests while the batch and the pool have room, starting
+   from a session's retained KV where it matches;
+3. launches one decode step for every running row (a captured CUDA graph on
+   a GPU: the model, paged attention and sampling, no host sync) and one
+   prefill forward over up to ``prefill_chunk_tokens`` newcomer tokens;
+4. hands out the tokens of a step: on a GPU those of the step before, while
+   this one runs (``async_steps``), so detokenizing and publishing never
+   leave the GPU idle; on CPU those of this step.
 
-A newcomer whose prefill completes joins the batch by copying its KV into a
-free row; a finished row leaves by moving the last row into its place.
+Only Llama-family models run here (``llama.FastLlama``); ``build_core`` falls
+back to ``EagerEngineCore`` for any other transformers model.
 """
 
 from __future__ import annotations
@@ -20,120 +23,100 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import torch
 
-from wsinfer.sessions.schema import FinishReason, GenerationParams, Usage
-
-from .cpu_linear import pack_linear_weights
-from .detokenizer import IncrementalDetokenizer
-from .kvcache import BufferCache, KVBuffer, KVStore, RetainedKV, common_prefix
+from .batch import DecodeRows
+from .eager import EagerEngineCore
+from .kvbuffer import common_prefix
+from .kvpool import KVHandles, KVPool
+from .lifecycle import CoreBase, EngineConfig, EngineRequest, RequestOutput, Sequence
+from .llama import FastLlama, UnsupportedModel, fast_model_for
 from .model import LoadedModel
-from .prefill import PrefillGroup, new_group, prefill_chunk
-from .sampling import RowSampling, fresh_seed, sample, to_device
+from .runner import ModelRunner, PrefillPiece
+from .sampling import RowSampling, Variant, variant_of
+
+__all__ = ["EngineConfig", "EngineCore", "EngineRequest", "RequestOutput", "build_core"]
+
+log = structlog.get_logger("wsinfer.engine")
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(eq=False)
+class _Seq(Sequence):
+    blocks: list[int] = field(default_factory=list)
+    row: int | None = None  # decode row
+    target: int = 0  # prefill: context tokens to compute before the first draw
+    pending: int = 0  # tokens sampled on the device, not yet seen by the host
 
 
 @dataclass
-class EngineConfig:
-    max_batch_size: int = 16
-    prefill_chunk_tokens: int = 512  # newcomers' prefill is chunked so running streams don't stall
-    kv_cache_bytes: int = 2 * 2**30  # budget for retained KV caches (LRU)
-    kv_offload_cpu: bool = False  # keep retained caches in host memory (saves GPU memory)
-    compact_min_columns: int = 64  # trim shared left padding of the batch once it is this wide
-    # Re-lay out CPU float32 linear weights for small batches (modifies the model in place;
-    # GPU and half-precision weights are left alone). Decode steps on SmolLM2, 2 threads,
-    # best of 3 interleaved: 1.01x at 1 stream, 1.16x at 4, 1.14x at 8, 1.05x at 16.
-    pack_cpu_weights: bool = True
+class _Launch:
+    """One step's sampled tokens: which sequence each belongs to, and their host copy."""
+
+    decode: list[_Seq | None]  # by row; None: the row computed nothing useful
+    prefilled: list[_Seq]  # at last_tokens[max_rows + j]
+    host: torch.Tensor
+    event: torch.cuda.Event | None
 
 
-@dataclass
-class EngineRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: GenerationParams
-    generated_ids: list[int] = field(default_factory=list)
-    cache_key: str | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text: str
-    num_generated: int
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    paused: bool = False
-    usage: Usage | None = None
-    kv_len: int | None = None
-    error: str | None = None
-
-
-@dataclass
-class _Sequence:
-    """Engine-side state of one request."""
-
-    request: EngineRequest
-    tokens: list[int]  # prompt + generated so far
-    detok: IncrementalDetokenizer
-    seed: int
-    num_generated: int
-    computed: int = 0  # leading tokens whose KV exists (decode: all but the last)
-    cached_tokens: int = 0
-    group: PrefillGroup | None = None  # while prefilling
-    group_row: int = 0
-    row: int | None = None  # batch row while decoding
-    seen: torch.Tensor | None = None  # context-token mask for repetition_penalty
-
-    @property
-    def id(self) -> str:
-        return self.request.request_id
-
-
-class EngineCore:
+class EngineCore(CoreBase):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
-        self.loaded = loaded
-        self.config = config or EngineConfig()
-        self.model = loaded.model
-        if self.config.pack_cpu_weights:
-            pack_linear_weights(self.model)
-        self.device = loaded.device
-        text_config = self.model.config.get_text_config()
-        self.num_layers = int(text_config.num_hidden_layers)
-        self.vocab_size = int(text_config.vocab_size)
-        self.dtype = next(self.model.parameters()).dtype
-        self.eos = frozenset(loaded.eos_token_ids)
-        offload = torch.device("cpu") if self.config.kv_offload_cpu else None
-        self.store = KVStore(self.config.kv_cache_bytes, offload)
-        self._seqs: dict[str, _Sequence] = {}
-        self._waiting: deque[_Sequence] = deque()
-        self._prefilling: PrefillGroup | None = None
-        self._rows: list[_Sequence] = []  # index = batch row
-        self.layer_devices = _layer_devices(self.model, self.num_layers, self.device)
-        self._batch = KVBuffer(self.layer_devices, self.dtype)
-        self._immediate: dict[str, RequestOutput] = {}  # outputs due at the next step
-        self._aborts: dict[str, bool] = {}  # request id -> pause
+        super().__init__(loaded, config)
+        cfg = self.config
+        on_cuda = self.device.type == "cuda"
+        self.max_context = min(loaded.max_context, cfg.max_model_len or DEFAULT_MAX_MODEL_LEN)
+        dtype = next(loaded.model.parameters()).dtype
+        transposed = cfg.pack_cpu_weights and not on_cuda and dtype == torch.float32
+        self.model: FastLlama = fast_model_for(loaded.model, self.max_context, transposed)
+        self.vocab_size = self.model.vocab_size
+        max_blocks = -(-self.max_context // cfg.block_size)
+        self.pool = self._allocate_pool()
+        offload = torch.device("cpu") if cfg.kv_offload_cpu and on_cuda else None
+        self.store = KVHandles(self.pool, cfg.kv_cache_bytes, offload)
+        self.rows = DecodeRows(cfg.max_batch_size, max_blocks, cfg.block_size)
+        self.runner = ModelRunner(
+            self.model, self.pool, cfg.max_batch_size, max_blocks, cfg.max_batch_size,
+            cfg.graph_batch_sizes,
+        )  # fmt: skip
+        self.async_steps = on_cuda if cfg.async_steps is None else cfg.async_steps
+        self._waiting: deque[_Seq] = deque()
+        self._prefilling: list[_Seq] = []
+        self._pending: _Launch | None = None
+        self._variant: Variant | None = None  # of the decode rows; None: recompute
+        self._hosts = [self._host_buffer() for _ in range(2)]
+        self._flip = 0
+        self.graph_capture_seconds = 0.0
+        if cfg.cuda_graphs if cfg.cuda_graphs is not None else on_cuda:
+            self.graph_capture_seconds = self.runner.capture_graphs(
+                lambda line: log.info(line, pool_blocks=self.pool.num_blocks)
+            )
 
-    # --- public API ---------------------------------------------------------
+    # --- set-up ----------------------------------------------------------------
 
-    def add(self, request: EngineRequest) -> None:
-        rid = request.request_id
-        if rid in self._seqs or rid in self._immediate:
-            raise ValueError(f"duplicate request id {rid!r}")
-        error = self._validate(request)
-        if error is not None:
-            self._immediate[rid] = self._error_output(request, error)
-            return
-        seq = self._new_sequence(request)
-        done = self._already_done(seq)
-        if done is not None:
-            self._immediate[rid] = self._final_output(seq, done, [], "")
-            return
-        self._seqs[rid] = seq
-        self._waiting.append(seq)
+    def _allocate_pool(self) -> KVPool:
+        cfg, model = self.config, self.model
+        per_token = model.kv_bytes_per_token()
+        budget = cfg.kv_pool_bytes
+        if budget is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(0.9 * (free - cfg.gpu_memory_reserve_bytes))
+        if budget is None:
+            # CPU: room for every row at full context plus the retained caches; the pages
+            # are only touched as blocks are used.
+            budget = cfg.kv_cache_bytes + cfg.max_batch_size * self.max_context * per_token
+        blocks = max(2, budget // (per_token * cfg.block_size))
+        return KVPool(
+            model.num_layers, blocks, cfg.block_size, model.num_kv_heads, model.head_dim,
+            model.dtype, model.device,
+        )  # fmt: skip
 
-    def abort(self, request_id: str, *, pause: bool = False) -> None:
-        if request_id in self._seqs:
-            self._aborts[request_id] = pause
+    def _host_buffer(self) -> torch.Tensor:
+        pin = self.device.type == "cuda"
+        return torch.zeros(2 * self.config.max_batch_size, dtype=torch.long, pin_memory=pin)
+
+    # --- public API ---------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         outputs = list(self._immediate.values())
@@ -141,14 +124,20 @@ class EngineCore:
         with torch.inference_mode():
             outputs += self._process_aborts()
             try:
-                outputs += self._forward_and_sample()
+                launch = self._launch()
             except Exception as exc:  # a failed forward must end its requests, not hang them
                 outputs += self._fail_all(f"{type(exc).__name__}: {exc}")
-            self._maybe_compact()
+                launch = None
+            if self.async_steps:
+                previous, self._pending = self._pending, launch
+            else:
+                previous = launch
+            if previous is not None:
+                outputs += self._process(previous)
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self._seqs or self._immediate)
+        return bool(self._seqs or self._immediate or self._pending)
 
     def cached_length(self, cache_key: str) -> int:
         return self.store.length(cache_key)
@@ -158,291 +147,241 @@ class EngineCore:
 
     @property
     def num_running(self) -> int:
-        return len(self._rows)
+        return len(self.rows)
 
     @property
     def num_waiting(self) -> int:
-        prefilling = self._prefilling.seqs if self._prefilling else []
-        return len(self._waiting) + sum(seq is not None for seq in prefilling)
+        return len(self._waiting) + len(self._prefilling)
 
-    # --- admission -----------------------------------------------------------
+    # --- admission -----------------------------------------------------------------
 
-    def _validate(self, request: EngineRequest) -> str | None:
-        total = len(request.prompt_ids) + len(request.generated_ids)
-        if total == 0:
-            return "empty prompt"
-        if total >= self.loaded.max_context:
-            return f"prompt of {total} tokens does not fit the context of {self.loaded.max_context}"
-        return None
+    def _sequence_type(self) -> type[Sequence]:
+        return _Seq
 
-    def _new_sequence(self, request: EngineRequest) -> _Sequence:
-        params = request.params
-        detok = IncrementalDetokenizer(self.loaded.tokenizer, request.prompt_ids, params.stop)
-        for token in request.generated_ids:
-            # Rebuild the detokenizer: its text up to here was already published.
-            if token not in self.eos:
-                detok.add(token)
-        seed = params.seed if params.seed is not None else fresh_seed()
-        tokens = list(request.prompt_ids) + list(request.generated_ids)
-        return _Sequence(request, tokens, detok, seed, len(request.generated_ids))
+    def _enqueue(self, seq: _Seq) -> None:
+        self._waiting.append(seq)
 
-    def _already_done(self, seq: _Sequence) -> FinishReason | None:
-        """A rebuilt turn that had in fact ended (the caller missed its end)."""
-        generated = seq.request.generated_ids
-        if seq.detok.stopped or (generated and generated[-1] in self.eos):
-            return "stop"
-        if seq.num_generated >= seq.request.params.max_new_tokens:
-            return "length"
-        return None
-
-    # --- the step --------------------------------------------------------------
-
-    def _forward_and_sample(self) -> list[RequestOutput]:
-        seqs: list[_Sequence] = []
-        logits: list[torch.Tensor] = []
-        if self._rows:
-            seqs += self._rows
-            logits.append(self._decode_forward())
-        prefilled = self._prefill_forward()
-        if prefilled is not None:
-            seqs += prefilled[0]
-            logits.append(prefilled[1])
-        if not seqs:
-            return []
-        tokens = self._sample(seqs, torch.cat(logits)).tolist()  # the step's only sync
-        outputs = [self._accept(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
-        for seq in prefilled[0] if prefilled else []:
-            if seq.id in self._seqs:
-                self._join_batch(seq)
-        return outputs
-
-    def _decode_forward(self) -> torch.Tensor:
-        """One token for every running row; returns logits [rows, vocab]."""
-        batch = self._batch
-        batch.reserve(batch.rows, batch.width + 1)
-        lens = [seq.computed for seq in self._rows]
-        input_ids = self._tensor([[seq.tokens[-1]] for seq in self._rows])
-        positions = self._tensor(lens).unsqueeze(1)
-        pads = self._tensor([batch.width - n for n in lens])
-        columns = torch.arange(batch.width + 1, device=self.device)
-        # A ready-made 4D boolean mask: transformers uses it as is (no host sync to inspect it).
-        mask = (columns.unsqueeze(0) >= pads.unsqueeze(1))[:, None, None, :]
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=BufferCache(batch),
-            use_cache=True,
-        )
-        batch.advance(1)
-        for seq in self._rows:
-            seq.computed += 1
-        return out.logits[:, -1, :]
-
-    def _prefill_forward(self) -> tuple[list[_Sequence], torch.Tensor] | None:
-        """One chunk of the current newcomers; their last logits once their prompts are in."""
-        group = self._prefilling or self._start_prefill()
-        if group is None:
-            return None
-        logits = prefill_chunk(self.model, group, self.config.prefill_chunk_tokens, self._tensor)
-        for row, seq in enumerate(group.seqs):
-            if seq is not None:
-                seq.computed = group.computed(row)
-        if logits is None:
-            return None
-        self._prefilling = None
-        rows = [row for row, seq in enumerate(group.seqs) if seq is not None]
-        seqs = [seq for seq in group.seqs if seq is not None]
-        return seqs, logits[rows] if len(rows) < len(group.seqs) else logits
-
-    def _start_prefill(self) -> PrefillGroup | None:
-        room = self.config.max_batch_size - len(self._rows)
-        if not self._waiting or room <= 0:
-            return None
-        first = self._waiting.popleft()
-        group = self._resume_from_cache(first)
-        if group is None:
-            seqs = [first]
-            while self._waiting and len(seqs) < room and self._joins_group(seqs, self._waiting[0]):
-                seqs.append(self._waiting.popleft())
-            group = new_group(seqs, [s.tokens for s in seqs], self.layer_devices, self.dtype)
-        for row, seq in enumerate(group.seqs):
-            seq.group, seq.group_row = group, row
+    def _admit(self) -> None:
+        room = self.config.max_batch_size - len(self.rows) - len(self._prefilling)
+        while self._waiting and room > 0 and not self._waiting[0].pending:
+            seq = self._waiting.popleft()
+            self._resume_from_cache(seq)
+            seq.target = len(seq.tokens)
             if seq.request.params.repetition_penalty != 1.0:
                 seq.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-                seq.seen[self._tensor(seq.tokens)] = True
-        self._prefilling = group
-        return group
+                seq.seen[torch.tensor(seq.tokens, device=self.device)] = True
+            self._prefilling.append(seq)
+            room -= 1
 
-    def _joins_group(self, seqs: list[_Sequence], candidate: _Sequence) -> bool:
-        """Batch short fresh prompts into one forward while the padded total fits a chunk."""
-        key = candidate.request.cache_key
-        if key is not None and key in self.store:
-            return False  # it may skip most of its prefill: handle it alone
-        width = max(len(candidate.tokens), *(len(s.tokens) for s in seqs))
-        return (len(seqs) + 1) * width <= self.config.prefill_chunk_tokens
-
-    def _resume_from_cache(self, seq: _Sequence) -> PrefillGroup | None:
-        """A group starting from the retained KV of the session's last turn, where it matches."""
+    def _resume_from_cache(self, seq: _Seq) -> None:
+        """Start from the retained KV of the session's last turn, where it matches."""
         key = seq.request.cache_key
         entry = self.store.take(key) if key else None
         if entry is None:
-            return None
+            return
         # At least one token must go through the model: its logits pick the next token.
         reuse = min(common_prefix(entry.token_ids, seq.tokens), len(seq.tokens) - 1)
-        if reuse <= 0:
-            return None
-        group = new_group([seq], [seq.tokens], self.layer_devices, self.dtype)
-        for layer, (keys, values) in enumerate(entry.layers):
-            device = self.layer_devices[layer]
-            group.kv.write(
-                layer,
-                keys[:, :, :reuse].to(device, non_blocking=True),
-                values[:, :, :reuse].to(device, non_blocking=True),
-            )
-        group.kv.advance(reuse)
-        seq.computed = seq.cached_tokens = reuse
-        return group
-
-    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
-        rows = [RowSampling(s.request.params, s.seed, s.num_generated) for s in seqs]
-        seen = None
-        if any(s.seen is not None for s in seqs):
-            blank = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-            seen = torch.stack([s.seen if s.seen is not None else blank for s in seqs])
-        return sample(logits, rows, seen)
-
-    def _accept(self, seq: _Sequence, token: int) -> RequestOutput:
-        seq.tokens.append(token)
-        seq.num_generated += 1
-        if seq.seen is not None and token < self.vocab_size:
-            seq.seen[token] = True
-        reason: FinishReason | None = None
-        if token in self.eos:
-            reason, text = "stop", seq.detok.flush()
-        else:
-            text = seq.detok.add(token)
-            if seq.detok.stopped:
-                reason = "stop"
-            elif self._out_of_room(seq):
-                reason, text = "length", text + seq.detok.flush()
-        if reason is not None:
-            return self._final_output(seq, reason, [token], text)
-        return RequestOutput(seq.id, [token], text, seq.num_generated)
-
-    def _out_of_room(self, seq: _Sequence) -> bool:
-        max_new = seq.request.params.max_new_tokens
-        return seq.num_generated >= max_new or len(seq.tokens) >= self.loaded.max_context
-
-    def _join_batch(self, seq: _Sequence) -> None:
-        assert seq.group is not None
-        seq.row = self._batch.add_row(seq.group.kv, seq.group_row, seq.computed)
-        seq.group = None
-        self._rows.append(seq)
-
-    # --- leaving -------------------------------------------------------------------
-
-    def _process_aborts(self) -> list[RequestOutput]:
-        outputs = []
-        for rid, pause in self._aborts.items():
-            seq = self._seqs.get(rid)
-            if seq is None:
-                continue
-            if pause:
-                outputs.append(self._final_output(seq, None, [], "", paused=True))
+        blocks = entry.blocks
+        if entry.host is not None:
+            blocks = self._allocate(entry.host.k.shape[1]) or []
+            if blocks:
+                self.pool.copy_in(entry.host, blocks)
             else:
-                outputs.append(self._final_output(seq, "cancelled", [], seq.detok.flush()))
-        self._aborts.clear()
+                reuse = 0
+        keep = self.pool.blocks_for(reuse) if reuse > 0 else 0
+        self.pool.release(blocks[keep:])
+        seq.blocks = blocks[:keep]
+        seq.computed = seq.cached_tokens = max(0, reuse)
+
+    def _allocate(self, n: int) -> list[int] | None:
+        """``n`` blocks, evicting retained caches (least recently used first) as needed."""
+        while self.pool.free_blocks < n and self.store.evict_oldest():
+            pass
+        return self.pool.allocate(n)
+
+    # --- launching a step ------------------------------------------------------------
+
+    def _launch(self) -> _Launch | None:
+        self._admit()
+        decode = self._schedule_decode()
+        pieces = self._schedule_prefill()
+        if not decode and not pieces:
+            return None
+        if decode:
+            self._variant = self._variant or variant_of([s.request.params for s in self.rows.seqs])
+            self.runner.decode(self.rows, self._variant)
+            self._advance_rows(decode)
+        prefilled = self._run_prefill(pieces) if pieces else []
+        return self._record(decode, prefilled)
+
+    def _schedule_decode(self) -> list[_Seq | None]:
+        """Give every running row a slot for its next token; None for rows that need none."""
+        rows = self.rows
+        active: list[_Seq | None] = []
+        row = 0
+        while row < len(rows):
+            seq = rows.seqs[row]
+            if self._saturated(seq):
+                active.append(None)
+            elif not self._ensure_blocks(seq, seq.computed + 1):
+                continue  # a row was preempted (maybe this one): look at this row again
+            else:
+                active.append(seq)
+            row += 1
+        rows.active[: len(active)] = [s is not None for s in active]
+        return active if any(s is not None for s in active) else []
+
+    def _saturated(self, seq: _Seq) -> bool:
+        """Its pending token already ends it by length: computing more would be wasted."""
+        if not seq.pending:
+            return False
+        reached = seq.num_generated + seq.pending >= seq.request.params.max_new_tokens
+        return reached or len(seq.tokens) + seq.pending >= self.max_context
+
+    def _ensure_blocks(self, seq: _Seq, tokens: int) -> bool:
+        """Blocks for ``tokens`` tokens of ``seq``; False if a row had to be preempted."""
+        missing = self.pool.blocks_for(tokens) - len(seq.blocks)
+        if missing <= 0:
+            return True
+        blocks = self._allocate(missing)
+        if blocks is not None:
+            if seq.row is not None:
+                start = len(seq.blocks)
+                self.rows.block_table[seq.row, start : start + missing] = blocks
+                self.rows.tables_dirty = True
+            seq.blocks += blocks
+            return True
+        victim = self.rows.seqs[-1] if self.rows.seqs else seq
+        self._preempt(victim)
+        return False
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Out of KV blocks: send ``seq`` back to the queue, to be recomputed from its tokens."""
+        log.warning("kv pool full; preempting", request=seq.id, tokens=len(seq.tokens))
+        self._leave_batch(seq)
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.computed = [], 0
+        self._waiting.appendleft(seq)
+
+    def _advance_rows(self, decode: list[_Seq | None]) -> None:
+        rows = self.rows
+        for row, seq in enumerate(decode):
+            if seq is not None:
+                seq.computed += 1
+                seq.pending += 1
+                rows.positions[row] += 1
+                rows.src[row] = row
+
+    def _schedule_prefill(self) -> list[PrefillPiece]:
+        """Chunks of newcomers within the step's token budget; those that finish first."""
+        budget = self.config.prefill_chunk_tokens
+        done: list[PrefillPiece] = []
+        partial: list[PrefillPiece] = []
+        for seq in self._prefilling:
+            n = min(seq.target - seq.computed, budget)
+            if n <= 0 or not self._ensure_prefill_blocks(seq, seq.computed + n):
+                break
+            piece = PrefillPiece(seq, seq.tokens, seq.blocks, seq.computed, seq.computed + n)
+            (done if piece.end == seq.target else partial).append(piece)
+            budget -= n
+        return done + partial
+
+    def _ensure_prefill_blocks(self, seq: _Seq, tokens: int) -> bool:
+        missing = self.pool.blocks_for(tokens) - len(seq.blocks)
+        blocks = self._allocate(missing) if missing > 0 else []
+        if blocks is None:
+            return False  # the pool is full of running rows: wait for some to finish
+        seq.blocks += blocks
+        return True
+
+    def _run_prefill(self, pieces: list[PrefillPiece]) -> list[_Seq]:
+        complete = [p.seq for p in pieces if p.end == p.seq.target]
+        draws = [RowSampling(s.request.params, s.seed, s.num_generated) for s in complete]
+        self.runner.prefill(pieces, draws)
+        for piece in pieces:
+            piece.seq.computed = piece.end
+        for j, seq in enumerate(complete):
+            self._prefilling.remove(seq)
+            self._join_batch(seq, self.runner.max_rows + j)
+        return complete
+
+    def _join_batch(self, seq: _Seq, src: int) -> None:
+        seq.pending += 1
+        seq.row = self.rows.add(seq, seq.blocks, seq.computed, src, seq.seed)
+        self._variant = None
+        if seq.request.params.repetition_penalty != 1.0:
+            self.runner.reset_seen(seq.row, seq.tokens, src)
+
+    def _record(self, decode: list[_Seq | None], prefilled: list[_Seq]) -> _Launch:
+        """Start copying the step's tokens to the host; the step's only sync waits for it."""
+        host = self._hosts[self._flip]
+        self._flip ^= 1
+        last = self.runner.last_tokens
+        n = len(last) if prefilled else len(decode)
+        host[:n].copy_(last[:n], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return _Launch(decode, prefilled, host, event)
+
+    # --- handing out tokens -------------------------------------------------------------
+
+    def _process(self, launch: _Launch) -> list[RequestOutput]:
+        if launch.event is not None:
+            launch.event.synchronize()
+        tokens = launch.host.tolist()
+        base = self.runner.max_rows
+        pairs = [(s, tokens[i]) for i, s in enumerate(launch.decode) if s is not None]
+        pairs += [(s, tokens[base + j]) for j, s in enumerate(launch.prefilled)]
+        outputs = []
+        for seq, token in pairs:
+            if self._seqs.get(seq.id) is seq:  # not ended or aborted since the launch
+                seq.pending -= 1
+                outputs.append(self._accept(seq, token))
         return outputs
 
-    def _final_output(
-        self,
-        seq: _Sequence,
-        reason: FinishReason | None,
-        new_ids: list[int],
-        text: str,
-        *,
-        paused: bool = False,
-        error: str | None = None,
-    ) -> RequestOutput:
-        """Remove ``seq`` (retaining its KV under its cache key) and build its last output."""
-        kv_len = self._retain(seq) if error is None else None
-        self._remove(seq)
-        usage = Usage(len(seq.request.prompt_ids), seq.num_generated, seq.cached_tokens)
-        return RequestOutput(
-            seq.id,
-            new_ids,
-            text,
-            seq.num_generated,
-            finished=not paused,
-            finish_reason=reason,
-            paused=paused,
-            usage=usage,
-            kv_len=kv_len,
-            error=error,
-        )
+    # --- leaving ------------------------------------------------------------------------
 
-    def _retain(self, seq: _Sequence) -> int | None:
+    def _retain(self, seq: _Seq) -> int | None:
         key = seq.request.cache_key
-        if key is None or seq.computed == 0:
+        length = min(seq.computed, len(seq.tokens))
+        if key is None or length == 0:
             return None
-        if seq.row is not None:
-            layers = self._batch.row_layers(seq.row, seq.computed)
-        elif seq.group is not None:
-            layers = seq.group.kv.row_layers(seq.group_row, seq.computed)
-        else:
-            return None
-        stored = self.store.put(key, RetainedKV(seq.tokens[: seq.computed], layers))
-        return seq.computed if stored else None
+        stored = self.store.put(key, seq.tokens[:length], seq.blocks)
+        seq.blocks = []  # the store owns (or has released) them now
+        return length if stored else None
 
-    def _remove(self, seq: _Sequence) -> None:
+    def _remove(self, seq: _Seq) -> None:
         self._seqs.pop(seq.id, None)
-        if seq.row is not None:
-            moved = self._batch.remove_row(seq.row)
-            last = self._rows.pop()
-            if moved is not None:
-                last.row = seq.row
-                self._rows[seq.row] = last
-            seq.row = None
-        elif seq.group is not None:
-            group = seq.group
-            group.seqs[seq.group_row] = None
-            if self._prefilling is group and not any(group.seqs):
-                self._prefilling = None
-        elif seq in self._waiting:
+        self._leave_batch(seq)
+        self.pool.release(seq.blocks)
+        seq.blocks = []
+        if seq in self._waiting:
             self._waiting.remove(seq)
-        seq.group = None
 
-    def _maybe_compact(self) -> None:
-        """Drop left padding that every row shares (left behind by a long row that ended)."""
-        if not self._rows:
-            return
-        shared = self._batch.width - max(seq.computed for seq in self._rows)
-        if shared >= self.config.compact_min_columns and 4 * shared >= self._batch.width:
-            self._batch.trim_left(shared)
+    def _leave_batch(self, seq: _Seq) -> None:
+        if seq.row is not None:
+            last = len(self.rows) - 1
+            moved = self.rows.remove(seq.row)
+            if moved is not None:
+                moved.row = seq.row
+                self.runner.move_seen(last, seq.row)
+            seq.row = None
+            self._variant = None
+        elif seq in self._prefilling:
+            self._prefilling.remove(seq)
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
-        prefilling = self._prefilling.seqs if self._prefilling else []
-        failed = list(self._rows) + [seq for seq in prefilling if seq is not None]
-        # The batch may be half-written: forget it rather than unpick it row by row.
-        for seq in failed:
-            seq.row = None
-        self._rows = []
-        self._batch = KVBuffer(self.layer_devices, self.dtype)
+        failed = list(self.rows.seqs) + list(self._prefilling)
+        self._pending = None
         return [self._final_output(s, "error", [], "", error=message) for s in failed]
 
-    def _error_output(self, request: EngineRequest, error: str) -> RequestOutput:
-        n = len(request.generated_ids)
-        usage = Usage(len(request.prompt_ids), n, 0)
-        return RequestOutput(request.request_id, [], "", n, True, "error", usage=usage, error=error)
 
-    def _tensor(self, data: Any) -> torch.Tensor:
-        return to_device(data, self.device)
-
-
-def _layer_devices(model: Any, num_layers: int, default: torch.device) -> list[torch.device]:
-    """Device of each decoder layer (they differ when device_map="auto" splits the model)."""
-    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
-    if layers is None or len(layers) != num_layers:
-        return [default] * num_layers
-    return [next(layer.parameters()).device for layer in layers]
+def build_core(loaded: LoadedModel, config: EngineConfig | None = None) -> Any:
+    """The paged ``EngineCore`` where the model family is supported, else the eager one."""
+    try:
+        return EngineCore(loaded, config)
+    except UnsupportedModel as exc:
+        log.info("using the eager engine", reason=str(exc))
+        return EagerEngineCore(loaded, config)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .kvcache import BufferCache, KVBuffer
+from .kvbuffer import BufferCache, KVBuffer
 
 
 @dataclass

@@ -20,7 +20,8 @@ from typing import Any
 import redis
 import structlog
 
-from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest, RequestOutput
+from wsinfer.engine.core import EngineConfig, EngineRequest, RequestOutput, build_core
+from wsinfer.engine.defaults import default_dtype, resolve_device
 from wsinfer.engine.model import LoadedModel, load_model
 from wsinfer.engine.outage import OutageGuard
 from wsinfer.engine.prompts import render_chat, render_text
@@ -60,7 +61,7 @@ class ActiveTurn:
 
 class EngineProcess:
     def __init__(
-        self, core: EngineCore, loaded: LoadedModel, store: WorkerStore, config: ProcessConfig
+        self, core: Any, loaded: LoadedModel, store: WorkerStore, config: ProcessConfig
     ) -> None:
         self.core = core
         self.loaded = loaded
@@ -340,10 +341,20 @@ def run_engine(
 ) -> None:
     """Load the model, then serve turns from Redis until stopped."""
     config = config or ProcessConfig()
+    device, dtype = resolve_device(device), default_dtype(device, dtype)
     log.info("loading model", model=model_spec or "default", device=device, dtype=dtype)
     started = time.monotonic()
     loaded = load_model(model_spec, device=device, dtype=dtype)
     log.info("model loaded", model=loaded.name, seconds=round(time.monotonic() - started, 1))
     core_config = core_config or EngineConfig(max_batch_size=config.max_batch_size)
+    started = time.monotonic()
+    core = build_core(loaded, core_config)
+    log.info(
+        "engine core ready",
+        core=type(core).__name__,
+        max_batch_size=core_config.max_batch_size,
+        seconds=round(time.monotonic() - started, 1),
+        graph_capture_seconds=round(getattr(core, "graph_capture_seconds", 0.0), 1),
+    )
     store = WorkerStore(sync_client(redis_url), config.engine_id, ttl_s=config.session_ttl_s)
-    EngineProcess(EngineCore(loaded, core_config), loaded, store, config).run()
+    EngineProcess(core, loaded, store, config).run()

@@ -1,0 +1,171 @@
+"""The paged KV pool: allocated once, handed out in fixed-size blocks.
+
+Per layer, keys and values live in ``[num_blocks, block_size, kv_heads,
+head_dim]`` tensors. A sequence owns a list of blocks (its block table); token
+``t`` sits in block ``table[t // block_size]`` at offset ``t % block_size``.
+Nothing is allocated or copied per step: decode writes one slot per row.
+
+Block 0 is never handed out: CUDA-graph padding rows write their (discarded)
+KV there.
+
+``RetainedKV`` keeps the cache of a paused or finished turn for the session's
+next request: it holds its blocks in the pool (no copy), or, with offloading,
+a host copy. ``KVHandles`` is their LRU within a byte budget; the pool also
+evicts from it when running sequences need blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+SCRATCH_BLOCK = 0
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError("the KV pool needs at least 2 blocks")
+        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        # On a GPU the pool is zeroed once (masked lanes of unwritten slots still flow
+        # through probs @ V, and 0 * NaN = NaN). On CPU it stays untouched, so only the
+        # pages of blocks in use become resident; the attention there masks such slots.
+        alloc = torch.zeros if device.type == "cuda" else torch.empty
+        self.k = alloc(shape, dtype=dtype, device=device)
+        self.v = alloc(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.block_bytes = 2 * self.k[0, 0].numel() * self.k.element_size() * num_layers
+        self._free = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))  # pop() hands out 1, 2, ...
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` [N, kv_heads, head_dim] at flat slot indices ``slots`` [N]."""
+        heads, dim = k.shape[1], k.shape[2]
+        self.k[layer].view(-1, heads, dim).index_copy_(0, slots, k)
+        self.v[layer].view(-1, heads, dim).index_copy_(0, slots, v)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def copy_out(self, blocks: list[int], tokens: int, device: torch.device) -> HostKV:
+        """The first ``tokens`` slots of ``blocks``, copied to ``device`` (offloading)."""
+        index = torch.tensor(blocks, device=self.k.device)
+        pin = device.type == "cpu" and self.k.device.type == "cuda"
+        k, v = (_copy_to(t[:, index], device, pin) for t in (self.k, self.v))
+        return HostKV(k, v)
+
+    def copy_in(self, host: HostKV, blocks: list[int]) -> None:
+        index = torch.tensor(blocks, device=self.k.device)
+        self.k[:, index] = host.k.to(self.k.device, non_blocking=True)
+        self.v[:, index] = host.v.to(self.v.device, non_blocking=True)
+
+
+def _copy_to(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    # Pinned host memory makes the device->host copy asynchronous (no sync in the step).
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pin)
+    return out.copy_(tensor, non_blocking=True)
+
+
+@dataclass
+class HostKV:
+    k: torch.Tensor  # [layers, blocks, block_size, kv_heads, head_dim]
+    v: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass
+class RetainedKV:
+    token_ids: list[int]  # the tokens whose KV is held, in order
+    blocks: list[int] = field(default_factory=list)  # in the pool...
+    host: HostKV | None = None  # ...or offloaded
+    nbytes: int = 0
+
+
+class KVHandles:
+    """LRU of retained per-session KV caches within a byte budget."""
+
+    def __init__(self, pool: KVPool, budget_bytes: int, offload: torch.device | None) -> None:
+        self.pool = pool
+        self.budget_bytes = budget_bytes
+        self.offload = offload
+        self._entries: OrderedDict[str, RetainedKV] = OrderedDict()
+        self.used_bytes = 0
+
+    def put(self, key: str, token_ids: list[int], blocks: list[int]) -> bool:
+        """Retain ``blocks`` (holding ``token_ids``) under ``key``; False (blocks released)
+        if they cannot fit the budget."""
+        self.drop(key)
+        needed = self.pool.blocks_for(len(token_ids))
+        self.pool.release(blocks[needed:])
+        blocks = blocks[:needed]
+        nbytes = needed * self.pool.block_bytes
+        if not token_ids or nbytes > self.budget_bytes:
+            self.pool.release(blocks)
+            return False
+        entry = RetainedKV(list(token_ids), blocks, None, nbytes)
+        if self.offload is not None:
+            entry.host = self.pool.copy_out(blocks, len(token_ids), self.offload)
+            self.pool.release(blocks)
+            entry.blocks = []
+        self._entries[key] = entry
+        self.used_bytes += nbytes
+        while self.used_bytes > self.budget_bytes:
+            self.evict_oldest()
+        return key in self._entries
+
+    def take(self, key: str) -> RetainedKV | None:
+        """Remove and return ``key``'s entry: the resumed sequence now owns its blocks."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.used_bytes -= entry.nbytes
+        return entry
+
+    def evict_oldest(self) -> bool:
+        """Free the least recently used entry's blocks; False if there is none."""
+        if not self._entries:
+            return False
+        _, entry = self._entries.popitem(last=False)
+        self.used_bytes -= entry.nbytes
+        self.pool.release(entry.blocks)
+        return True
+
+    def length(self, key: str) -> int:
+        entry = self._entries.get(key)
+        return len(entry.token_ids) if entry is not None else 0
+
+    def drop(self, key: str) -> None:
+        entry = self.take(key)
+        if entry is not None:
+            self.pool.release(entry.blocks)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)

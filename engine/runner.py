@@ -1,0 +1,353 @@
+"""The model runner: device buffers, decode (as CUDA graphs) and chunked prefill.
+
+vLLM's GPU model runner in small: every input of a decode step lives in a
+persistent device buffer that the host refreshes with a few copies, so the
+step itself (embedding, layers, paged attention, logits, sampling) can be
+captured once per batch-size bucket and replayed. The tokens a step samples
+stay on the device (``last_tokens``) and feed the next step directly: the host
+needs them only to detokenize and publish, which it does while the GPU already
+runs the next step.
+
+Prefill runs eagerly, several newcomers' chunks in one forward.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .attention import decode_attention
+from .batch import DecodeRows
+from .kvpool import KVPool
+from .llama import FastLlama
+from .sampling import (
+    RowSampling,
+    SamplingTensors,
+    Variant,
+    sample_tokens,
+    tensors_for,
+    to_device,
+    variant_of,
+)
+
+log = logging.getLogger("wsinfer.engine.runner")
+
+# Rows of the per-step integer buffer.
+_POS, _LEN, _SLOT, _SRC, _INDEX = range(5)
+
+
+class DecodeContext:
+    """Attention of one new token per row over its blocks in the pool."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        max_len: int | None,
+    ) -> None:
+        self.pool, self.slots, self.scale = pool, slots, scale
+        self.block_tables, self.seq_lens, self.max_len = block_tables, seq_lens, max_len
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.pool.write(layer, self.slots, k, v)
+        return decode_attention(
+            q,
+            self.pool.k[layer],
+            self.pool.v[layer],
+            self.block_tables,
+            self.seq_lens,
+            self.scale,
+            max_len=self.max_len,
+        )
+
+
+@dataclass
+class PrefillPiece:
+    """Tokens ``start:end`` of one sequence's context, in one prefill forward."""
+
+    seq: Any
+    tokens: list[int]  # the sequence's whole known context
+    blocks: list[int]
+    start: int
+    end: int
+
+
+class PrefillContext:
+    """Causal attention of several rows' chunks, each over its own cached prefix.
+
+    The chunks arrive flattened; attention runs on a padded ``[rows, chunk]``
+    layout against each row's KV gathered from the pool (prefill is compute-bound,
+    one gather per layer is cheap next to it).
+    """
+
+    def __init__(self, pool: KVPool, pieces: list[PrefillPiece], scale: float) -> None:
+        device = pool.k.device
+        bs = pool.block_size
+        self.pool, self.scale = pool, scale
+        self.rows = len(pieces)
+        self.width = max(p.end - p.start for p in pieces)
+        blocks = pool.blocks_for(max(p.end for p in pieces))
+        table = np.zeros((self.rows, blocks), dtype=np.int64)
+        pad_index, slots, positions = [], [], []
+        for r, piece in enumerate(pieces):
+            table[r, : pool.blocks_for(piece.end)] = piece.blocks[: pool.blocks_for(piece.end)]
+            span = np.arange(piece.start, piece.end)
+            positions.append(span)
+            slots.append(table[r, span // bs] * bs + span % bs)
+            pad_index.append(r * self.width + np.arange(piece.end - piece.start))
+        self.positions = upload(np.concatenate(positions), device)
+        self.slots = upload(np.concatenate(slots), device)
+        self.pad_index = upload(np.concatenate(pad_index), device)
+        self.table = upload(table, device)
+        self.mask = _prefill_mask(pieces, self.width, blocks * bs, device)
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.pool.write(layer, self.slots, k, v)
+        heads, dim = q.shape[1], q.shape[2]
+        keys = self.pool.k[layer][self.table].flatten(1, 2)  # [R, L, Hkv, D]
+        values = self.pool.v[layer][self.table].flatten(1, 2)
+        groups = heads // keys.shape[2]
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=2)
+            values = values.repeat_interleave(groups, dim=2)
+        padded = q.new_zeros(self.rows * self.width, heads, dim)
+        padded[self.pad_index] = q
+        padded = padded.view(self.rows, self.width, heads, dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            padded,
+            keys.transpose(1, 2),
+            # Never-written slots may hold anything: keep them out of softmax(.) @ V too.
+            values.transpose(1, 2).masked_fill(~self.mask.any(dim=2, keepdim=True).mT, 0.0),
+            attn_mask=self.mask,
+            scale=self.scale,
+        )
+        return out.transpose(1, 2).reshape(-1, heads, dim)[self.pad_index]
+
+
+def _prefill_mask(
+    pieces: list[PrefillPiece], width: int, columns: int, device: torch.device
+) -> torch.Tensor:
+    """[rows, 1, width, columns] bool: key j is visible to the query at position p if j <= p.
+
+    Padding queries (past a row's chunk) see key 0 only, so their discarded output
+    stays finite.
+    """
+    starts = torch.tensor([p.start for p in pieces])
+    lengths = torch.tensor([p.end - p.start for p in pieces])
+    offsets = torch.arange(width)
+    query_pos = starts.unsqueeze(1) + offsets.unsqueeze(0)  # [R, W]
+    query_pos = torch.where(offsets.unsqueeze(0) < lengths.unsqueeze(1), query_pos, 0)
+    keys = torch.arange(columns)
+    mask = keys.view(1, 1, -1) <= query_pos.unsqueeze(2)
+    return upload(mask.unsqueeze(1), device)
+
+
+def upload(data: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host data on ``device`` without a sync: a copy from pageable memory waits for the
+    stream to drain, one from pinned memory does not."""
+    tensor = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: FastLlama,
+        pool: KVPool,
+        max_rows: int,
+        max_blocks: int,
+        max_prefill_rows: int,
+        batch_sizes: tuple[int, ...],
+    ) -> None:
+        self.model, self.pool = model, pool
+        self.device = model.device
+        self.max_rows = max_rows
+        self.buckets = sorted({b for b in batch_sizes if b < max_rows} | {max_rows})
+        device = self.device
+        self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
+        self.step_ints = torch.zeros(5, max_rows, dtype=torch.long, device=device)
+        self.floats = torch.zeros(3, max_rows, dtype=torch.float32, device=device)
+        self.ints = torch.zeros(2, max_rows, dtype=torch.long, device=device)
+        # Sampled tokens: decode rows first, then prefill completions.
+        self.last_tokens = torch.zeros(max_rows + max_prefill_rows, dtype=torch.long, device=device)
+        self.seen = torch.zeros(max_rows, model.vocab_size, dtype=torch.bool, device=device)
+        self._staging = [_Staging(max_rows, max_blocks, device) for _ in range(2)]
+        self._flip = 0
+        self.graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = {}
+        self.padded = False  # decode in graph buckets (with or without captured graphs)
+
+    # --- decode ----------------------------------------------------------------
+
+    def decode(self, rows: DecodeRows, variant: Variant) -> int:
+        """Run one decode step for every row; tokens land in ``last_tokens[:len(rows)]``.
+
+        Returns the number of rows computed (the graph bucket, padding included).
+        """
+        n = len(rows)
+        bucket = self._bucket(n) if self.padded else n
+        self._stage(rows, n, bucket)
+        graph = self.graphs.get((bucket, variant))
+        if graph is not None:
+            graph.replay()
+        elif self.padded:  # the captured program, run eagerly (CPU tests of the graph path)
+            self._decode(bucket, variant)
+        else:
+            self._decode(n, variant, int(rows.positions[:n].max()) + 1)
+        return bucket
+
+    def _bucket(self, n: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, n)]
+
+    def _stage(self, rows: DecodeRows, n: int, bucket: int) -> None:
+        """Copy the step's inputs to the device buffers (padding rows: length 0, scratch slot)."""
+        staging = self._staging[self._flip]
+        self._flip ^= 1
+        ints = staging.step_ints
+        ints[:, n:bucket] = 0
+        active = rows.active[:n]
+        # Inactive rows compute like padding: length 0, writing to the scratch slot.
+        ints[_POS, :n] = rows.positions[:n] * active
+        ints[_LEN, :n] = (rows.positions[:n] + 1) * active
+        ints[_SLOT, :n] = rows.slots(n) * active
+        ints[_SRC, :n] = rows.src[:n]
+        ints[_INDEX, :n] = rows.draw_index(n)
+        self.step_ints[:, :bucket].copy_(staging.step_ints_t[:, :bucket], non_blocking=True)
+        if rows.tables_dirty:
+            staging.tables[:n] = rows.block_table[:n]
+            self.block_tables[:n].copy_(staging.tables_t[:n], non_blocking=True)
+            rows.tables_dirty = False
+        if rows.params_dirty:
+            staging.floats[:, :n] = rows.floats[:, :n]
+            staging.ints[:, :n] = rows.ints[:, :n]
+            self.floats[:, :n].copy_(staging.floats_t[:, :n], non_blocking=True)
+            self.ints[:, :n].copy_(staging.ints_t[:, :n], non_blocking=True)
+            rows.params_dirty = False
+
+    def _decode(self, b: int, variant: Variant, max_len: int | None = None) -> None:
+        """The decode step over rows ``:b`` (what a graph captures); no host sync."""
+        ints = self.step_ints[:, :b]
+        tables = self.block_tables[:b]
+        if max_len is not None:  # eager: read only the blocks in use
+            tables = tables[:, : self.pool.blocks_for(max_len)]
+        context = DecodeContext(
+            self.pool, ints[_SLOT], tables, ints[_LEN].int(), self.model.scale, max_len
+        )
+        ids = self.last_tokens[ints[_SRC]]
+        hidden = self.model.forward(ids, ints[_POS], context)
+        params = SamplingTensors(
+            self.floats[0, :b], self.ints[0, :b], self.floats[1, :b], self.floats[2, :b],
+            self.ints[1, :b], ints[_INDEX],
+        )  # fmt: skip
+        seen = None if variant is Variant.GREEDY else self.seen[:b]
+        tokens = sample_tokens(self.model.logits(hidden), params, variant, seen)
+        if seen is not None:
+            seen.scatter_(1, tokens.unsqueeze(1), True)
+        self.last_tokens[:b].copy_(tokens)
+
+    # --- rows' repetition-penalty state -------------------------------------------
+
+    def reset_seen(self, row: int, tokens: list[int], pending_src: int | None) -> None:
+        """Mark ``row``'s context tokens (and its not yet known sampled token) as seen."""
+        self.seen[row].zero_()
+        self.seen[row, to_device(tokens, self.device)] = True
+        if pending_src is not None:
+            self.seen[row, self.last_tokens[pending_src]] = True
+
+    def move_seen(self, src: int, dst: int) -> None:
+        self.seen[dst].copy_(self.seen[src])
+
+    # --- prefill -----------------------------------------------------------------
+
+    def prefill(self, pieces: list[PrefillPiece], complete: list[RowSampling]) -> None:
+        """One forward over every piece; the pieces that finish their context (the
+        first ``len(complete)``) sample their next token into ``last_tokens[max_rows:]``."""
+        context = PrefillContext(self.pool, pieces, self.model.scale)
+        ids = to_device([t for p in pieces for t in p.tokens[p.start : p.end]], self.device)
+        hidden = self.model.forward(ids, context.positions, context)
+        if not complete:
+            return
+        ends = np.cumsum([p.end - p.start for p in pieces])[: len(complete)] - 1
+        logits = self.model.logits(hidden[upload(ends, self.device)])
+        seen = None
+        params = [r.params for r in complete]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = torch.zeros(len(complete), self.model.vocab_size, dtype=torch.bool)
+            for i, piece in enumerate(pieces[: len(complete)]):
+                seen[i, torch.tensor(piece.tokens)] = True
+            seen = upload(seen, self.device)
+        tokens = sample_tokens(logits, tensors_for(complete, self.device), variant_of(params), seen)
+        self.last_tokens[self.max_rows : self.max_rows + len(complete)].copy_(tokens)
+
+    # --- CUDA graphs ----------------------------------------------------------------
+
+    def capture_graphs(self, progress: Callable[[str], None] | None = None) -> float:
+        """Capture the decode step for every bucket and sampling variant; seconds taken.
+
+        Off CUDA nothing is captured, but decode still runs padded to the buckets: the
+        same program, so CPU tests cover what the graphs replay.
+        """
+        self.padded = True
+        if self.device.type != "cuda":
+            return 0.0
+        started = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        self.step_ints.zero_()  # every row: length 0, scratch slot
+        for bucket in reversed(self.buckets):  # largest first: the rest reuse its memory
+            for variant in Variant:
+                self.graphs[(bucket, variant)] = self._capture(bucket, variant, pool)
+            if progress is not None:
+                progress(f"captured decode graphs for batch {bucket}")
+        self.seen.zero_()
+        return time.monotonic() - started
+
+    def _capture(self, bucket: int, variant: Variant, pool: Any) -> torch.cuda.CUDAGraph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                self._decode(bucket, variant)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._decode(bucket, variant)
+        return graph
+
+
+class _Staging:
+    """Host copies of the step buffers (pinned on CUDA so the copies are asynchronous).
+
+    There are two, used in turn: a copy enqueued for step N may still be pending while
+    the host fills in step N+1.
+    """
+
+    def __init__(self, max_rows: int, max_blocks: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+
+        def host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        self.step_ints_t = host((5, max_rows), torch.long)
+        self.tables_t = host((max_rows, max_blocks), torch.int32)
+        self.floats_t = host((3, max_rows), torch.float32)
+        self.ints_t = host((2, max_rows), torch.long)
+        self.step_ints = self.step_ints_t.numpy()
+        self.tables = self.tables_t.numpy()
+        self.floats = self.floats_t.numpy()
+        self.ints = self.ints_t.numpy()
