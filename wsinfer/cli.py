@@ -96,10 +96,34 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda, cuda:N, auto")
     parser.add_argument(
-        "--dtype", default=_env("DTYPE", "float32"), choices=["float32", "bfloat16", "float16"]
+        "--dtype",
+        default=_env("DTYPE", "auto"),
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on a GPU, float32 on CPU",
     )
     parser.add_argument(
-        "--max-batch-size", type=_positive_int, default=_env("MAX_BATCH_SIZE", "16")
+        "--max-batch-size",
+        type=_positive_int,
+        default=_env("MAX_BATCH_SIZE"),
+        help="rows decoded together (default: 256 on a GPU, 16 on CPU)",
+    )
+    parser.add_argument(
+        "--kv-pool-mb",
+        type=_positive_int,
+        default=_env("KV_POOL_MB"),
+        help="GPU memory for the paged KV pool (default: what is free after the weights)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=_env("MAX_MODEL_LEN"),
+        help="context limit in tokens (default: the model's, at most 8192)",
+    )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        default=_env_flag("NO_CUDA_GRAPHS"),
+        help="run decode eagerly on a GPU (debugging; much slower)",
     )
     parser.add_argument(
         "--prefill-chunk",
@@ -193,8 +217,6 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
         args.device,
         "--dtype",
         args.dtype,
-        "--max-batch-size",
-        str(args.max_batch_size),
         "--prefill-chunk",
         str(args.prefill_chunk),
         "--kv-cache-mb",
@@ -211,6 +233,10 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
         args.log_level,
     ]
     argv += ["--kv-offload-cpu"] if args.kv_offload_cpu else []
+    argv += ["--no-cuda-graphs"] if args.no_cuda_graphs else []
+    for flag in ("max_batch_size", "kv_pool_mb", "max_model_len"):
+        value = getattr(args, flag)
+        argv += [f"--{flag.replace('_', '-')}", str(value)] if value is not None else []
     return argv + (["--model", args.model] if args.model else [])
 
 
@@ -241,10 +267,12 @@ def run_frontend(args: argparse.Namespace) -> int:
 def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
     """The engine process's and its core's settings, from ``wsinfer engine``'s flags."""
     from wsinfer.engine.core import EngineConfig
+    from wsinfer.engine.defaults import default_max_batch
     from wsinfer.engine.process import ProcessConfig
 
+    max_batch = default_max_batch(args.device, args.max_batch_size)
     config = ProcessConfig(
-        max_batch_size=args.max_batch_size,
+        max_batch_size=max_batch,
         lease_ms=args.lease_ms,
         idle_pause_s=args.idle_pause,
         session_ttl_s=args.session_ttl,
@@ -254,10 +282,13 @@ def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.engine_id:
         config.engine_id = args.engine_id
     core = EngineConfig(
-        max_batch_size=args.max_batch_size,
+        max_batch_size=max_batch,
         prefill_chunk_tokens=args.prefill_chunk,
         kv_cache_bytes=args.kv_cache_mb << 20,
         kv_offload_cpu=args.kv_offload_cpu,
+        kv_pool_bytes=args.kv_pool_mb << 20 if args.kv_pool_mb else None,
+        max_model_len=args.max_model_len,
+        cuda_graphs=False if args.no_cuda_graphs else None,
     )
     return config, core
 
