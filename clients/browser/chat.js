@@ -1,42 +1,81 @@
-// The chat page: a thin view over WsinferClient. The conversation is kept in
-// sessionStorage beside the client's own state, so a reload shows the history
-// and the client continues the answer that was in flight.
+// The chat page: a view over the npm package wsinfer-client (resolved by the
+// import map in index.html). Conversations live in localStorage (store.js),
+// each with its own WsinferClient whose state (session, token, the turn in
+// flight) is kept under the conversation's key: a reload, a new tab or
+// reopening a conversation from the list resumes it.
 
-import { WsinferClient } from "/static/wsinfer.js";
+import { WsinferClient } from "wsinfer-client";
+import { renderMarkdown, StreamingMarkdown } from "./markdown.js";
+import { ChatStore, clientKey, newConversation, titleFor } from "./store.js";
 
-const CHAT_KEY = "wsinfer-chat";
 const $ = (id) => document.getElementById(id);
 const els = {
   log: $("log"), input: $("input"), form: $("form"), send: $("send"), stop: $("stop"),
   pause: $("pause"), resume: $("resume"), conn: $("conn"), connText: $("conn-text"),
-  error: $("error"), ttft: $("ttft"), tps: $("tps"), newChat: $("new-chat"),
-  maxNew: $("max-new-tokens"), temperature: $("temperature"),
+  error: $("error"), ttft: $("ttft"), tps: $("tps"), newChat: $("new-chat"), title: $("title"),
+  list: $("conversations"), menu: $("menu"), closeSidebar: $("close-sidebar"), scrim: $("scrim"),
+  theme: $("theme"), openSettings: $("open-settings"), settings: $("settings"),
+  maxNew: $("max-new-tokens"), temperature: $("temperature"), system: $("system"),
+  themeSelect: $("theme-select"), main: $("main"),
 };
 
 const query = new URLSearchParams(location.search);
-if (query.has("max_new_tokens")) els.maxNew.value = query.get("max_new_tokens");
-if (query.has("temperature")) els.temperature.value = query.get("temperature");
-
-const client = new WsinferClient({ token: query.get("token") || undefined });
-let chat = loadChat(); // {messages: [{role, content, note?}]}
+const store = new ChatStore();
+let settings = store.settings();
+let conv = null; // {id, title, messages: [{role, content, note?}]}
+let client = null;
 let turn = null;
-let view = null; // the assistant message being streamed: {li, content, note}
+let view = null; // the assistant message being streamed: {li, content, note, md}
 
-// ---- persistence -----------------------------------------------------------
+// ---- settings and theme ----------------------------------------------------------
 
-function loadChat() {
-  try {
-    const c = JSON.parse(sessionStorage.getItem(CHAT_KEY) || "null");
-    if (c && Array.isArray(c.messages)) return c;
-  } catch { /* fall through */ }
-  return { messages: [] };
+function applySettings() {
+  els.temperature.value = settings.temperature;
+  els.maxNew.value = settings.maxNewTokens;
+  els.system.value = settings.system;
+  els.themeSelect.value = settings.theme;
+  applyTheme();
 }
 
-function saveChat() {
-  try { sessionStorage.setItem(CHAT_KEY, JSON.stringify(chat)); } catch { /* quota */ }
+function applyTheme() {
+  document.documentElement.dataset.theme = settings.theme;
+  els.theme.setAttribute("aria-label", `Theme: ${settings.theme}`);
+  els.theme.title = `Theme: ${settings.theme} (click to change)`;
+  els.theme.textContent = { system: "◐", light: "☀", dark: "☾" }[settings.theme] || "◐";
 }
 
-// ---- rendering -------------------------------------------------------------
+function readSettings() {
+  const t = parseFloat(els.temperature.value);
+  const n = parseInt(els.maxNew.value, 10);
+  settings = {
+    temperature: t >= 0 ? t : settings.temperature,
+    maxNewTokens: n > 0 ? n : settings.maxNewTokens,
+    system: els.system.value,
+    theme: els.themeSelect.value,
+  };
+  store.saveSettings(settings);
+  applyTheme();
+}
+
+function params() {
+  const p = {};
+  const n = parseInt(els.maxNew.value, 10);
+  if (n > 0) p.max_new_tokens = n;
+  const t = parseFloat(els.temperature.value);
+  if (t >= 0) p.temperature = t;
+  return p;
+}
+
+// ---- rendering -----------------------------------------------------------------------
+
+function actionButton(label, name, onClick) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.className = name;
+  b.textContent = label;
+  b.addEventListener("click", onClick);
+  return b;
+}
 
 function renderMessage(role, content, note) {
   const li = document.createElement("li");
@@ -47,18 +86,61 @@ function renderMessage(role, content, note) {
   who.textContent = role === "user" ? "You" : "Assistant";
   const body = document.createElement("div");
   body.className = "content";
-  body.textContent = content;
+  if (role === "user") { body.textContent = content; body.source = content; } else renderMarkdown(body, content);
   const noteEl = document.createElement("span");
   noteEl.className = "note";
   if (note) noteEl.textContent = note;
-  li.append(who, body, noteEl);
+  li.append(who, body, noteEl, messageActions(li, role));
   els.log.append(li);
   return { li, content: body, note: noteEl };
 }
 
-function scrollToEnd() {
-  const main = els.log.parentElement;
-  if (main.scrollHeight - main.scrollTop - main.clientHeight < 120) main.scrollTop = main.scrollHeight;
+function messageActions(li, role) {
+  const bar = document.createElement("div");
+  bar.className = "actions";
+  if (role === "user") {
+    bar.append(actionButton("Edit", "edit", () => startEdit(li)));
+  } else {
+    bar.append(
+      actionButton("Copy", "copy-answer", (e) => copyAnswer(li, e.currentTarget)),
+      actionButton("Regenerate", "regenerate", () => regenerate()),
+    );
+  }
+  return bar;
+}
+
+async function copyAnswer(li, button) {
+  try {
+    await navigator.clipboard.writeText(li.querySelector(".content").source || "");
+    button.textContent = "Copied";
+  } catch {
+    button.textContent = "Copy failed";
+  }
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
+}
+
+function renderLog() {
+  els.log.replaceChildren();
+  for (const m of conv.messages) renderMessage(m.role, m.content, m.note);
+  refreshActions();
+}
+
+// Regenerate belongs to the last answer only; a question left without an answer
+// (refused, or the page closed before the server took it) can be retried.
+function refreshActions() {
+  for (const b of els.log.querySelectorAll(".regenerate, .retry")) {
+    if (b.classList.contains("retry")) b.remove(); else b.hidden = true;
+  }
+  const last = els.log.lastElementChild;
+  if (!last) return;
+  const regen = last.querySelector(".regenerate");
+  if (regen) regen.hidden = false;
+  else if (last.dataset.role === "user") last.querySelector(".actions").append(actionButton("Retry", "retry", () => regenerate()));
+}
+
+function scrollToEnd(force = false) {
+  const main = els.main;
+  if (force || main.scrollHeight - main.scrollTop - main.clientHeight < 120) main.scrollTop = main.scrollHeight;
 }
 
 const CONN_TEXT = {
@@ -77,6 +159,7 @@ function showConn(state, detail = {}) {
   if (state === "resumed" && detail.restored) text = "Connected, answer restored";
   if (state === "closed" && !detail.willReconnect) text = "Idle (reconnects when needed)";
   els.conn.dataset.state = state;
+  els.conn.title = text;
   els.connText.textContent = text;
 }
 
@@ -104,12 +187,12 @@ function showError(error) {
 
 function updateControls() {
   const status = turn ? turn.status : "idle";
-  const active = turn && turn.active;
-  setDisabled(els.send, !!active, els.stop);
+  const active = !!(turn && turn.active);
+  setDisabled(els.send, active, els.stop);
   setDisabled(els.stop, !active, els.input);
   setDisabled(els.pause, status !== "running", els.resume);
   setDisabled(els.resume, status !== "paused", els.pause);
-  document.body.dataset.turn = status;
+  document.body.dataset.turn = active ? status : "idle";
 }
 
 // Disabling the focused button would drop focus to <body>: hand it on instead.
@@ -117,6 +200,102 @@ function setDisabled(button, disabled, next) {
   const hadFocus = document.activeElement === button;
   button.disabled = disabled;
   if (disabled && hadFocus) (next.disabled ? els.input : next).focus();
+}
+
+// ---- conversation list -------------------------------------------------------------
+
+function timeAgo(t) {
+  const s = Math.max(0, (Date.now() - t) / 1000);
+  if (s < 60) return "just now";
+  if (s < 3600) return `${Math.floor(s / 60)} min ago`;
+  if (s < 86400) return `${Math.floor(s / 3600)} h ago`;
+  return new Date(t).toLocaleDateString();
+}
+
+function renderList() {
+  const items = store.list().map((c) => {
+    const li = document.createElement("li");
+    li.dataset.id = c.id;
+    if (c.session) li.dataset.session = c.session;
+    if (conv && c.id === conv.id) li.setAttribute("aria-current", "true");
+    const open = document.createElement("button");
+    open.type = "button";
+    open.className = "open";
+    const title = document.createElement("span");
+    title.textContent = c.title;
+    const when = document.createElement("small");
+    when.textContent = timeAgo(c.updated);
+    open.append(title, when);
+    open.addEventListener("click", () => { openConversation(c.id); closeSidebar(); });
+    const del = actionButton("✕", "delete", () => deleteConversation(c.id));
+    del.setAttribute("aria-label", `Delete “${c.title}”`);
+    li.append(open, del);
+    return li;
+  });
+  els.list.replaceChildren(...items);
+}
+
+function saveConv() {
+  if (!conv.messages.length) return;
+  store.save(conv, client.session);
+  if (location.hash !== `#c=${conv.id}`) history.replaceState(null, "", `${location.pathname}${location.search}#c=${conv.id}`);
+  els.title.textContent = conv.title;
+  renderList();
+}
+
+function makeClient(id) {
+  const c = new WsinferClient({ token: query.get("token") || undefined, storage: store.storage, storageKey: clientKey(id) });
+  for (const state of ["connecting", "open", "reconnecting", "resumed", "closed"]) {
+    c.addEventListener(state, (e) => { if (c === client) showConn(state, e.detail); });
+  }
+  c.addEventListener("error", (e) => { if (c === client) showError(e.error); });
+  return c;
+}
+
+/** Show conversation `id` (a new, empty one for null), resuming its answer in flight. */
+function openConversation(id) {
+  const old = client;
+  client = null;
+  if (old) old.disconnect(); // the session stays, for when this one is reopened
+  turn = view = null;
+  conv = (id && store.load(id)) || newConversation();
+  client = makeClient(conv.id);
+  els.title.textContent = conv.messages.length ? conv.title : "wsinfer chat";
+  if (!conv.messages.length && location.hash) history.replaceState(null, "", location.pathname + location.search);
+  else if (conv.messages.length) history.replaceState(null, "", `${location.pathname}${location.search}#c=${conv.id}`);
+  showError(null);
+  resetSpeed(0);
+  renderLog();
+  renderList();
+  restoreOrConnect();
+  updateControls();
+  scrollToEnd(true);
+}
+
+function restoreOrConnect() {
+  const restored = client.restoreTurn();
+  if (!restored) { client.connect(); return; }
+  restored.restored = true;
+  attach(restored);
+  if (restored.status === "paused") view.note.textContent = "Paused";
+}
+
+function deleteConversation(id) {
+  if (conv && id === conv.id) {
+    if (turn && turn.active) turn.stop();
+    client.close(); // ends the session on the server
+    store.remove(id);
+    openConversation(null);
+    return;
+  }
+  // Another conversation: end its session too, from a short-lived client.
+  const other = new WsinferClient({ storage: store.storage, storageKey: clientKey(id), token: query.get("token") || undefined });
+  if (other.session) {
+    other.addEventListener("open", () => other.close(), { once: true });
+    other.connect();
+  }
+  store.remove(id);
+  renderList();
 }
 
 // ---- live speed readout -------------------------------------------------------
@@ -149,139 +328,228 @@ function attach(t) {
   turn = t;
   resetSpeed(t.seq);
   view = renderMessage("assistant", t.text);
+  view.md = new StreamingMarkdown(view.content);
   view.li.classList.add("streaming");
   view.li.setAttribute("aria-busy", "true");
   view.li.dataset.seq = String(t.seq);
+  refreshActions();
   t.addEventListener("delta", (e) => {
-    view.content.append(e.detail.text);
+    if (t !== turn) return;
+    view.md.set(t.text);
     view.li.dataset.seq = String(e.detail.seq);
     onSpeedDelta(e.detail.seq, e.detail.time);
     updateControls();
     scrollToEnd();
   });
-  t.addEventListener("session", updateControls);
-  t.addEventListener("paused", () => { view.note.textContent = "Paused"; updateControls(); });
-  t.addEventListener("done", (e) => finishTurn(e.detail));
+  t.addEventListener("session", () => { if (t === turn) { saveConv(); updateControls(); } });
+  t.addEventListener("paused", () => { if (t === turn) { view.note.textContent = "Paused"; updateControls(); } });
+  t.addEventListener("done", (e) => { if (t === turn) finishTurn(e.detail); });
   t.addEventListener("error", (e) => {
+    if (t !== turn) return;
     showError(e.error);
     if (e.fatal) failTurn(e.error);
   });
   updateControls();
 }
 
+function endView(finish) {
+  view.md.flush();
+  view.li.classList.remove("streaming");
+  view.li.removeAttribute("aria-busy");
+  view.li.dataset.finish = finish;
+}
+
 function finishTurn(detail) {
   if (!view || detail.finishReason === "error") return; // failTurn handles it
   const note = detail.finishReason === "cancelled" ? "Stopped" : "";
+  view.md.set(detail.text);
+  endView(detail.finishReason || "");
   view.note.textContent = note;
-  view.li.dataset.finish = detail.finishReason || "";
-  view.li.classList.remove("streaming");
-  view.li.removeAttribute("aria-busy");
-  chat.messages.push({ role: "assistant", content: detail.text, note });
-  saveChat();
+  conv.messages.push({ role: "assistant", content: detail.text, note });
+  saveConv();
   view = null;
   updateControls();
+  refreshActions();
   if (document.activeElement === document.body) els.input.focus();
 }
 
 function failTurn(error) {
   if (!view) return;
-  view.li.classList.remove("streaming");
+  endView("error");
   view.li.classList.add("failed");
-  view.li.removeAttribute("aria-busy");
-  view.li.dataset.finish = "error";
   if (turn.seq === 0) {
     // Nothing was generated: take the question back so it can be sent again.
     view.li.remove();
-    const last = chat.messages[chat.messages.length - 1];
+    const last = conv.messages[conv.messages.length - 1];
     if (last && last.role === "user") {
-      chat.messages.pop();
+      conv.messages.pop();
       els.log.lastElementChild?.remove();
       if (!els.input.value) els.input.value = last.content;
     }
   } else {
     view.note.textContent = `Failed: ${error.code}`;
-    chat.messages.push({ role: "assistant", content: turn.text, note: `Failed: ${error.code}` });
+    conv.messages.push({ role: "assistant", content: turn.text, note: `Failed: ${error.code}` });
   }
-  saveChat();
+  if (conv.messages.length) saveConv();
+  else forgetEmptyConversation();
   view = null;
   updateControls();
+  refreshActions();
 }
 
-function params() {
-  const p = {};
-  const n = parseInt(els.maxNew.value, 10);
-  if (n > 0) p.max_new_tokens = n;
-  const t = parseFloat(els.temperature.value);
-  if (t >= 0) p.temperature = t;
-  return p;
+function forgetEmptyConversation() {
+  store.remove(conv.id);
+  if (location.hash) history.replaceState(null, "", location.pathname + location.search);
+  els.title.textContent = "wsinfer chat";
+  renderList();
+}
+
+/** The whole conversation for a new session: system prompt first. */
+function fullHistory() {
+  const history = conv.messages.filter((m) => m.content).map(({ role, content }) => ({ role, content }));
+  return settings.system.trim() ? [{ role: "system", content: settings.system }, ...history] : history;
+}
+
+function startTurn(messages) {
+  try {
+    return client.generate({ messages, params: params() });
+  } catch (err) {
+    showError(err);
+    return null;
+  }
 }
 
 function send() {
   const text = els.input.value.trim();
   if (!text || (turn && turn.active)) return;
   showError(null);
+  if (!conv.messages.length) conv.title = titleFor(text);
+  conv.messages.push({ role: "user", content: text });
   // A live session keeps the history server-side; a new one needs it all.
-  const history = chat.messages.filter((m) => m.content).map(({ role, content }) => ({ role, content }));
-  const messages = client.session ? [{ role: "user", content: text }] : [...history, { role: "user", content: text }];
-  let t;
-  try {
-    t = client.generate({ messages, params: params() });
-  } catch (err) {
-    showError(err);
-    return;
-  }
-  chat.messages.push({ role: "user", content: text });
-  saveChat();
+  const t = startTurn(client.session ? [{ role: "user", content: text }] : fullHistory());
+  if (!t) { conv.messages.pop(); return; }
   renderMessage("user", text);
   els.input.value = "";
+  autoGrow();
   attach(t);
-  scrollToEnd();
+  saveConv();
+  scrollToEnd(true);
+}
+
+/**
+ * Answer the conversation as it now stands (ending in a question) in a new
+ * session: the server's history of the old one includes what was replaced.
+ */
+function resendAll() {
+  showError(null);
+  client.close(); // the old session's history is obsolete: end it on the server
+  const t = startTurn(fullHistory());
+  if (!t) return;
+  renderLog();
+  attach(t);
+  saveConv();
+  scrollToEnd(true);
+}
+
+function regenerate() {
+  if (turn && turn.active) return;
+  while (conv.messages.length && conv.messages[conv.messages.length - 1].role === "assistant") conv.messages.pop();
+  if (!conv.messages.length) return;
+  resendAll();
+}
+
+function startEdit(li) {
+  if (turn && turn.active) return;
+  const index = [...els.log.children].indexOf(li);
+  const content = li.querySelector(".content");
+  const box = document.createElement("textarea");
+  box.className = "edit-box";
+  box.value = conv.messages[index].content;
+  box.setAttribute("aria-label", "Edit your message");
+  const save = actionButton("Send", "save-edit primary", () => finishEdit(index, box.value));
+  const cancel = actionButton("Cancel", "cancel-edit", () => renderLog());
+  const actions = document.createElement("div");
+  actions.className = "edit-actions";
+  actions.append(cancel, save);
+  li.classList.add("editing");
+  content.replaceChildren(box, actions);
+  box.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); finishEdit(index, box.value); }
+    if (e.key === "Escape") { e.preventDefault(); e.stopPropagation(); renderLog(); }
+  });
+  box.focus();
+}
+
+function finishEdit(index, text) {
+  text = text.trim();
+  if (!text || (turn && turn.active)) return;
+  conv.messages = [...conv.messages.slice(0, index), { role: "user", content: text }];
+  if (index === 0) conv.title = titleFor(text);
+  resendAll();
 }
 
 // ---- wiring --------------------------------------------------------------------
 
-for (const state of ["connecting", "open", "reconnecting", "resumed", "closed"]) {
-  client.addEventListener(state, (e) => showConn(state, e.detail));
+function autoGrow() {
+  els.input.style.height = "auto";
+  els.input.style.height = `${Math.min(els.input.scrollHeight, window.innerHeight * 0.4)}px`;
 }
-client.addEventListener("error", (e) => showError(e.error));
 
-els.form.addEventListener("submit", (e) => { e.preventDefault(); send(); });
-els.input.addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
-    e.preventDefault();
-    send();
-  }
-});
-els.stop.addEventListener("click", () => turn && turn.stop());
-els.pause.addEventListener("click", () => turn && turn.pause());
-els.resume.addEventListener("click", () => {
-  if (!turn) return;
-  view.note.textContent = "";
-  turn.resume();
-  updateControls();
-});
-els.newChat.addEventListener("click", () => {
-  if (view) { view.li.classList.remove("streaming"); view.li.removeAttribute("aria-busy"); view = null; }
-  turn = null;
-  client.close();
-  chat = { messages: [] };
-  saveChat();
-  els.log.replaceChildren();
-  showError(null);
-  resetSpeed(0);
-  updateControls();
-  els.input.focus();
-});
-
-for (const m of chat.messages) renderMessage(m.role, m.content, m.note);
-const restored = client.restoreTurn();
-if (restored) {
-  restored.restored = true;
-  attach(restored);
-  if (restored.status === "paused") view.note.textContent = "Paused";
-} else {
-  client.connect();
+function openSidebar() {
+  document.body.classList.add("sidebar-open");
+  els.scrim.hidden = false;
+  els.menu.setAttribute("aria-expanded", "true");
 }
-updateControls();
-scrollToEnd();
-window.wsinferChat = { client, get turn() { return turn; }, get chat() { return chat; } };
+
+function closeSidebar() {
+  document.body.classList.remove("sidebar-open");
+  els.scrim.hidden = true;
+  els.menu.setAttribute("aria-expanded", "false");
+}
+
+function wire() {
+  els.form.addEventListener("submit", (e) => { e.preventDefault(); send(); });
+  els.input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
+  });
+  els.input.addEventListener("input", autoGrow);
+  document.addEventListener("keydown", (e) => {
+    if (e.key !== "Escape" || els.settings.open) return;
+    if (turn && turn.active) { e.preventDefault(); turn.stop(); } else closeSidebar();
+  });
+  els.stop.addEventListener("click", () => turn && turn.stop());
+  els.pause.addEventListener("click", () => turn && turn.pause());
+  els.resume.addEventListener("click", () => {
+    if (!turn) return;
+    view.note.textContent = "";
+    turn.resume();
+    updateControls();
+  });
+  els.newChat.addEventListener("click", () => { openConversation(null); closeSidebar(); els.input.focus(); });
+  els.menu.addEventListener("click", openSidebar);
+  els.closeSidebar.addEventListener("click", closeSidebar);
+  els.scrim.addEventListener("click", closeSidebar);
+  els.openSettings.addEventListener("click", () => els.settings.showModal());
+  for (const el of [els.temperature, els.maxNew, els.system, els.themeSelect]) el.addEventListener("change", readSettings);
+  els.theme.addEventListener("click", () => {
+    const order = ["system", "light", "dark"];
+    els.themeSelect.value = order[(order.indexOf(settings.theme) + 1) % order.length];
+    readSettings();
+  });
+  // Another tab changed the list (a new conversation, a title, a deletion).
+  window.addEventListener("storage", (e) => { if (ChatStore.affectsList(e.key)) renderList(); });
+  setInterval(renderList, 60_000); // keep "n min ago" honest
+}
+
+applySettings();
+// URL overrides for this page only (links, tests): not saved as settings.
+if (query.has("max_new_tokens")) els.maxNew.value = query.get("max_new_tokens");
+if (query.has("temperature")) els.temperature.value = query.get("temperature");
+wire();
+openConversation(new URLSearchParams(location.hash.slice(1)).get("c"));
+window.wsinferChat = {
+  get client() { return client; },
+  get turn() { return turn; },
+  get conversation() { return conv; },
+  store,
+};

@@ -1,8 +1,10 @@
 // wsinfer browser client: protocol v1 over the browser's own WebSocket.
 //
-// Dependency-free ES module, no build step:
+// Dependency-free ES module, no build step; published on npm as
+// `wsinfer-client` (types in wsinfer.d.ts) and served by wsinfer at
+// /static/wsinfer.js:
 //
-//   import { WsinferClient } from "/static/wsinfer.js";
+//   import { WsinferClient } from "wsinfer-client";
 //   const client = new WsinferClient();              // ws(s)://<page host>/v1/ws
 //   const turn = client.generate({ prompt: "Hi", params: { max_new_tokens: 64 } });
 //   for await (const text of turn) out.append(text);
@@ -10,7 +12,8 @@
 // A turn is also an EventTarget (`delta`, `paused`, `done`, `error`); the client
 // emits connection events (`connecting`, `open`, `reconnecting`, `resumed`,
 // `closed`). Session id, token, turn number, last applied seq and the text so
-// far live in sessionStorage, so a reload continues the answer (`restoreTurn`).
+// far live in sessionStorage (or the `storage` you pass), so a reload
+// continues the answer (`restoreTurn`).
 
 export const PROTOCOL_VERSION = 1;
 export const SUBPROTOCOL = "wsinfer.v1.json";
@@ -265,6 +268,19 @@ export class WsinferClient extends EventTarget {
     if (status === "running") this._resumeTurn(turn, true);
     else this._ensureSocket();
     return turn;
+  }
+
+  /**
+   * Drop the connection but keep the session, here and on the server: a later
+   * client with the same storage resumes it (`restoreTurn`, or the next
+   * `generate` adds a turn). A running turn keeps generating server-side;
+   * its turn object here gets nothing more: `restoreTurn()` (on this client
+   * or a new one) continues it from the last applied seq.
+   */
+  disconnect() {
+    if (this.currentTurn && this.currentTurn.active) this._save();
+    this.currentTurn = null;
+    this._disconnect();
   }
 
   /** End the session (deleting its state on the server) and the connection. */

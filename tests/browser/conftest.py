@@ -77,6 +77,32 @@ async def page(browser: Any) -> AsyncIterator[Any]:
 
 
 @pytest.fixture
+async def make_page(browser: Any) -> AsyncIterator[Any]:
+    """``await make_page(width=, height=, scheme=)``: pages in one browser context
+    (they share localStorage, like tabs); uncaught page errors fail the test."""
+    contexts: dict[tuple[int, int, str], Any] = {}
+    errors: list[str] = []
+
+    async def make(width: int = 1000, height: int = 760, scheme: str = "light") -> Any:
+        key = (width, height, scheme)
+        if key not in contexts:
+            contexts[key] = await browser.new_context(
+                viewport={"width": width, "height": height}, color_scheme=scheme
+            )
+        pg = await contexts[key].new_page()
+        pg.on("pageerror", lambda exc: errors.append(str(exc)))
+        pg.set_default_timeout(30_000)
+        return pg
+
+    try:
+        yield make
+    finally:
+        for context in contexts.values():
+            await context.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+@pytest.fixture
 async def proxy_to() -> AsyncIterator[Any]:
     proxies: list[Proxy] = []
 

@@ -161,7 +161,8 @@ async def wait_done(page: Any, timeout: float = 60_000) -> str:
 
 
 async def answer_text(page: Any) -> str:
-    return str(await page.eval_on_selector(f"{LAST_ANSWER} .content", "e => e.textContent"))
+    """The last answer's text as the model wrote it (the page shows it as Markdown)."""
+    return str(await page.eval_on_selector(f"{LAST_ANSWER} .content", "e => e.source"))
 
 
 async def controls(page: Any) -> dict[str, bool]:

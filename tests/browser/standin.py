@@ -62,6 +62,9 @@ class StandIn:
         # Replay this many already-applied deltas on resume, as a lagging
         # frontend may: the client must drop them by seq.
         self.replay_overlap = 0
+        # When set, every turn's deltas are these pieces (a Markdown answer cut
+        # anywhere) instead of "w1 w2 ...".
+        self.pieces: list[str] | None = None
         self.received: list[dict[str, Any]] = []
         self.server: Server | None = None
         self._ids = itertools.count(1)
@@ -97,11 +100,11 @@ class StandIn:
             name = path_only[len("/static/") :]
         else:
             name = ""
-        path = BROWSER_DIR / name
-        if not name or "/" in name or not path.is_file():
+        path = (BROWSER_DIR / name).resolve()
+        if not name or BROWSER_DIR not in path.parents or not path.is_file():
             return conn.respond(HTTPStatus.NOT_FOUND, "not found\n")
         ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
-        if name.endswith(".js"):
+        if name.endswith((".js", ".mjs")):
             ctype = "text/javascript"
         body = path.read_bytes()
         headers = Headers(
@@ -175,6 +178,8 @@ class StandIn:
             session = Session(sid=f"s{next(self._ids)}", token=secrets.token_hex(8))
             self.sessions[session.sid] = session
         limit = int((msg.get("params") or {}).get("max_new_tokens", 50))
+        if self.pieces is not None:
+            limit = len(self.pieces)
         turn = Turn(number=len(session.turns) + 1, limit=limit)
         session.turns.append(turn)
         session.followers.add(ws)
@@ -212,8 +217,9 @@ class StandIn:
             if turn.paused:
                 continue
             seq += 1
-            turn.deltas.append((seq, word_text(seq)))
-            await self._broadcast(session, self._delta(session, turn, seq, word_text(seq)))
+            text = self.pieces[seq - 1] if self.pieces is not None else word_text(seq)
+            turn.deltas.append((seq, text))
+            await self._broadcast(session, self._delta(session, turn, seq, text))
         if turn.finish is None:
             await self._end(session, turn, "length")
 

@@ -1,0 +1,48 @@
+// Compiled by `tsc` in the tests (never shipped): the README's examples, typed.
+import WsinferClientDefault, {
+  WsinferClient,
+  WsinferError,
+  type DoneDetail,
+  type WsinferTurn,
+} from "wsinfer-client";
+
+const client: WsinferClient = new WsinferClientDefault({
+  url: "ws://127.0.0.1:8000/v1/ws",
+  storage: localStorage,
+  storageKey: "my-chat",
+});
+
+// Stream an answer.
+async function ask(question: string): Promise<string> {
+  const turn = client.generate({
+    messages: [{ role: "user", content: question }],
+    params: { max_new_tokens: 128, temperature: 0 },
+  });
+  let text = "";
+  for await (const piece of turn) text += piece;
+  const done: DoneDetail = await turn.finished;
+  return done.finishReason === "length" ? text + "…" : text;
+}
+
+// Resume after a reload: the answer continues from the last seq, no gap, no repeat.
+const restored: WsinferTurn | null = client.restoreTurn();
+if (restored) {
+  restored.addEventListener("delta", (e) => console.log(e.detail.seq, e.detail.text.length));
+  restored.addEventListener("done", (e) => console.log(e.detail.finishReason, e.detail.usage?.cached_tokens));
+}
+
+client.addEventListener("reconnecting", (e) => console.log(e.detail.attempt, e.detail.delay));
+client.addEventListener("resumed", (e) => console.log(e.detail.after, e.detail.restored === true));
+client.addEventListener("error", (e) => {
+  const err: WsinferError = e.error;
+  if (err.code === "overloaded") console.log(err.retryAfter ?? 0);
+});
+
+try {
+  await ask("hi");
+} catch (err) {
+  if (err instanceof WsinferError && err.code === "not_found") client.close();
+}
+const state: "idle" | "connecting" | "open" | "reconnecting" | "closed" = client.state;
+client.disconnect();
+export { state };

@@ -1,0 +1,204 @@
+// Type declarations for wsinfer-client (wsinfer.js), wsinfer protocol v1.
+
+export declare const PROTOCOL_VERSION: 1;
+export declare const SUBPROTOCOL: "wsinfer.v1.json";
+
+/** Error codes the server (or the client itself) reports. */
+export type ErrorCode =
+  | "bad_request"
+  | "unauthorized"
+  | "not_found"
+  | "conflict"
+  | "too_large"
+  | "overloaded"
+  | "engine_unavailable"
+  | "internal"
+  | "cancelled"
+  | (string & {});
+
+export interface Message {
+  role: "system" | "user" | "assistant";
+  content: string;
+}
+
+/** Sampling parameters; unknown keys are refused by the server. */
+export interface GenerateParams {
+  max_new_tokens?: number;
+  /** 0 is greedy. */
+  temperature?: number;
+  top_p?: number;
+  top_k?: number;
+  repetition_penalty?: number;
+  seed?: number;
+  stop?: string[];
+}
+
+/** Either `messages` (chat) or `prompt` (raw text) starts a turn. */
+export interface GenerateRequest {
+  messages?: Message[];
+  prompt?: string;
+  params?: GenerateParams;
+}
+
+export interface Usage {
+  prompt_tokens: number;
+  completion_tokens: number;
+  cached_tokens: number;
+}
+
+export type FinishReason = "stop" | "length" | "cancelled" | "error";
+export type TurnStatus = "starting" | "running" | "paused" | "done" | "error";
+export type ConnectionState = "idle" | "connecting" | "open" | "reconnecting" | "closed";
+
+/** Where the client keeps session id, token and the in-flight turn (a Web Storage subset). */
+export interface StorageLike {
+  getItem(key: string): string | null;
+  setItem(key: string, value: string): void;
+  removeItem(key: string): void;
+}
+
+export interface ClientOptions {
+  /** Default: ws(s)://<page host>/v1/ws. */
+  url?: string;
+  /** API key, sent as ?token= (browsers cannot set handshake headers). */
+  token?: string;
+  /** Default: sessionStorage (an in-memory map where storage is disabled). */
+  storage?: StorageLike;
+  /** Key under which this client's state lives in `storage` (default "wsinfer"). */
+  storageKey?: string;
+  /** Reconnect backoff bounds in milliseconds (defaults 250 and 10000). */
+  minDelay?: number;
+  maxDelay?: number;
+  /** Give up after this many failed reconnects (default: never). */
+  maxAttempts?: number;
+  /** A WebSocket constructor, for tests or non-browser runtimes. */
+  WebSocket?: new (url: string, protocols?: string | string[]) => WebSocket;
+}
+
+export declare class WsinferError extends Error {
+  constructor(
+    code: ErrorCode,
+    message?: string,
+    extra?: { retryAfter?: number | null; session?: string | null; id?: string | number | null },
+  );
+  readonly name: "WsinferError";
+  code: ErrorCode;
+  /** Seconds to wait before retrying (overloaded), both spellings. */
+  retryAfter: number | null;
+  retry_after: number | null;
+  session: string | null;
+  id: string | number | null;
+  static fromMessage(msg: { code?: string; message?: string; retry_after?: number; session?: string; id?: string | number }): WsinferError;
+}
+
+export interface DeltaDetail { text: string; seq: number; time: number; }
+export interface PausedDetail { seq: number; }
+export interface SessionDetail { session: string; turn: number; }
+export interface DoneDetail {
+  text: string;
+  seq: number;
+  finishReason: FinishReason | null;
+  usage: Usage | null;
+  error?: WsinferError;
+}
+
+/** An `error` event: `fatal` means the turn ended with it. */
+export interface WsinferErrorEvent extends ErrorEvent {
+  readonly error: WsinferError;
+  fatal?: boolean;
+}
+
+export interface TurnEventMap {
+  delta: CustomEvent<DeltaDetail>;
+  paused: CustomEvent<PausedDetail>;
+  session: CustomEvent<SessionDetail>;
+  done: CustomEvent<DoneDetail>;
+  error: WsinferErrorEvent;
+}
+
+/** One turn: an async iterable of text deltas and an EventTarget. */
+export declare class WsinferTurn extends EventTarget implements AsyncIterable<string> {
+  readonly client: WsinferClient;
+  /** The turn number in its session, once the server has answered. */
+  turn: number | null;
+  session: string | null;
+  status: TurnStatus;
+  /** Tokens generated so far (the last applied delta's seq). */
+  seq: number;
+  finishReason: FinishReason | null;
+  usage: Usage | null;
+  error: WsinferError | null;
+  /** performance.now() at creation and at the first delta. */
+  startedAt: number;
+  firstDeltaAt: number | null;
+  /** Resolves with the `done` detail; rejects with a WsinferError. */
+  readonly finished: Promise<DoneDetail>;
+  /** The whole text received so far. */
+  readonly text: string;
+  /** starting, running or paused. */
+  readonly active: boolean;
+  stop(): void;
+  pause(): void;
+  resume(): void;
+  [Symbol.asyncIterator](): AsyncIterator<string>;
+  addEventListener<K extends keyof TurnEventMap>(
+    type: K,
+    listener: (this: WsinferTurn, ev: TurnEventMap[K]) => unknown,
+    options?: boolean | AddEventListenerOptions,
+  ): void;
+  addEventListener(type: string, listener: EventListenerOrEventListenerObject | null, options?: boolean | AddEventListenerOptions): void;
+  removeEventListener<K extends keyof TurnEventMap>(
+    type: K,
+    listener: (this: WsinferTurn, ev: TurnEventMap[K]) => unknown,
+    options?: boolean | EventListenerOptions,
+  ): void;
+  removeEventListener(type: string, listener: EventListenerOrEventListenerObject | null, options?: boolean | EventListenerOptions): void;
+}
+
+export interface ConnectingDetail { attempt: number; }
+export interface OpenDetail { reconnected: boolean; }
+export interface ReconnectingDetail { attempt: number; delay: number; code?: number; }
+export interface ResumedDetail { session: string; turn: number | null; after: number; restored?: boolean; }
+export interface ClosedDetail { code: number; reason: string; willReconnect: boolean; }
+
+export interface ClientEventMap {
+  connecting: CustomEvent<ConnectingDetail>;
+  open: CustomEvent<OpenDetail>;
+  reconnecting: CustomEvent<ReconnectingDetail>;
+  resumed: CustomEvent<ResumedDetail>;
+  closed: CustomEvent<ClosedDetail>;
+  error: WsinferErrorEvent;
+}
+
+export declare class WsinferClient extends EventTarget {
+  constructor(options?: ClientOptions);
+  readonly url: string;
+  state: ConnectionState;
+  /** The session id once the server has started one. */
+  session: string | null;
+  currentTurn: WsinferTurn | null;
+  /** Open the connection now rather than at the first request. */
+  connect(): void;
+  /** Start a turn; later calls add turns to the same session. Throws `conflict` while one runs. */
+  generate(request?: GenerateRequest): WsinferTurn;
+  /** The turn in flight when the page was last left, continued; null if none. */
+  restoreTurn(): WsinferTurn | null;
+  /** Drop the connection, keep the session (here and on the server) for a later resume. */
+  disconnect(): void;
+  /** End the session (its state on the server is deleted) and the connection. */
+  close(): void;
+  addEventListener<K extends keyof ClientEventMap>(
+    type: K,
+    listener: (this: WsinferClient, ev: ClientEventMap[K]) => unknown,
+    options?: boolean | AddEventListenerOptions,
+  ): void;
+  addEventListener(type: string, listener: EventListenerOrEventListenerObject | null, options?: boolean | AddEventListenerOptions): void;
+  removeEventListener<K extends keyof ClientEventMap>(
+    type: K,
+    listener: (this: WsinferClient, ev: ClientEventMap[K]) => unknown,
+    options?: boolean | EventListenerOptions,
+  ): void;
+  removeEventListener(type: string, listener: EventListenerOrEventListenerObject | null, options?: boolean | EventListenerOptions): void;
+}
+
+export default WsinferClient;
