@@ -47,5 +47,10 @@ command -v redis-server >/dev/null || apt_install redis-server
 if [[ $want_tests -eq 1 ]]; then
   # Browser tests drive Debian's Chromium (browser downloads are impossible).
   apt_install chromium || echo "setup: no chromium; browser tests will be skipped" >&2
+  # The npm package's checks (tsc, npm pack) and its pinned dev dependencies.
+  command -v npm >/dev/null || apt_install nodejs npm || echo "setup: no npm; package tests skipped" >&2
+  if command -v npm >/dev/null; then
+    (cd clients/browser && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+  fi
 fi
 echo "setup: done (.venv/bin/wsinfer)"

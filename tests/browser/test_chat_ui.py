@@ -207,7 +207,9 @@ async def test_conversation_list_survives_reload_and_new_tab(
         "first conversation",
     ]
     assert await tab.locator("li.msg").count() == 0  # a new tab starts a new chat
-    sessions = await tab.eval_on_selector_all("#conversations li", "ls => ls.map(l => l.dataset.session)")
+    sessions = await tab.eval_on_selector_all(
+        "#conversations li", "ls => ls.map(l => l.dataset.session)"
+    )
     assert sessions == [second, first]
     await tab.click("#conversations li:nth-child(2) .open")
     await tab.wait_for_selector("li.msg.assistant")
@@ -334,3 +336,26 @@ async def test_keyboard_and_settings_persist(
     await page.click("#theme")
     await page.reload()
     assert await page.get_attribute("html", "data-theme") == "light"
+
+
+async def test_page_loads_only_its_own_files(make_page: Any, standin: tuple[StandIn, int]) -> None:
+    """No CDN: every request stays on the page's origin and succeeds, favicon included."""
+    server, port = standin
+    origin = f"http://127.0.0.1:{port}"
+    page = await make_page()
+    responses: list[tuple[str, int]] = []
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("response", lambda r: responses.append((r.url, r.status)))
+    await page.goto(origin + "/")
+    await page.wait_for_selector("#conn[data-state=open]")
+    assert await page.get_attribute("link[rel=icon]", "href") == "/static/favicon.svg"
+    icon = await page.evaluate(
+        "fetch('/static/favicon.svg').then(async (r) => [r.status, (await r.text()).slice(0, 4)])"
+    )
+    assert icon == [200, "<svg"]
+    assert all(u.startswith((origin, f"ws://127.0.0.1:{port}/")) for u in requests), requests
+    assert all(status == 200 for _, status in responses), responses
+    loaded = {u.removeprefix(origin) for u, _ in responses}
+    assert {"/static/vendor/marked.esm.js", "/static/vendor/purify.es.mjs"} <= loaded
+    assert "/static/vendor/highlight.min.js" in loaded and "/static/wsinfer.js" in loaded
