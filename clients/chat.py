@@ -1,10 +1,13 @@
 """``wsinfer chat``: a terminal chat on top of the asyncio client.
 
-Lines from stdin are user messages (or commands); answers stream to stdout,
-status notes go to stderr so that piped output is just the answers. While an
-answer streams, ``/pause``, ``/resume`` and ``/stop`` act on it at once; any
-other line waits for the answer to end, so a piped script runs in order.
-Ctrl-C during an answer stops it; a second Ctrl-C (or one while idle) quits.
+On a terminal it is ``terminal.TerminalChat`` (readline editing, history, a
+speed line after each answer). Otherwise (piped input) lines from stdin are
+user messages (or commands); answers stream to stdout, status notes (and the
+speed after each answer) go to stderr so that piped output is just the
+answers. While an answer streams, ``/pause``, ``/resume`` and ``/stop`` act
+on it at once; any other line waits for the answer to end, so a piped script
+runs in order. Ctrl-C during an answer stops it; a second Ctrl-C (or one
+while idle) quits.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, TextIO
 
 from wsinfer.clients.client import Client, connect
 from wsinfer.clients.errors import WsinferError
+from wsinfer.clients.terminal import Speed
 from wsinfer.clients.turn import Conversation, Turn
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/ws"
@@ -39,9 +44,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--system", default=None, help="system prompt for each new session")
     parser.add_argument("--codec", choices=("msgpack", "json"), default="msgpack")
+    parser.add_argument(
+        "--history-file",
+        default=None,
+        help="line history on a terminal (default $WSINFER_CHAT_HISTORY or "
+        "~/.local/state/wsinfer/chat_history)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        from wsinfer.clients.terminal import run_terminal
+
+        return run_terminal(args)
     try:
         return asyncio.run(_run(args, sys.stdin, sys.stdout, sys.stderr))
     except KeyboardInterrupt:
@@ -116,11 +131,13 @@ class Chat:
         self.printer: asyncio.Task[None] | None = None
         self.stopping = False
         self.quit = asyncio.Event()
+        self.interactive = False
 
     async def run(self, lines: asyncio.Queue[str | None], *, interactive: bool) -> int:
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGINT, self.on_interrupt)
+        self.interactive = interactive
         if interactive:
             self.note(HELP)
         reader = asyncio.create_task(self.read_loop(lines, interactive))
@@ -182,8 +199,10 @@ class Chat:
         self.printer = asyncio.create_task(self.print_answer(self.turn))
 
     async def print_answer(self, turn: Turn) -> None:
+        speed = Speed(time.monotonic())
         try:
             async for text in turn:
+                speed.saw(turn.seq)
                 self.out.write(text)
                 self.out.flush()
         except WsinferError as exc:
@@ -193,6 +212,10 @@ class Chat:
             self.out.flush()
         if turn.finish_reason == "cancelled":
             self.note("stopped")
+        self.note(speed.line(turn.seq, turn.finish_reason))
+        if self.interactive:  # the prompt comes back however the answer ended
+            self.out.write("> ")
+            self.out.flush()
 
     async def settle(self) -> None:
         """Let the current answer end before the next line; a paused one is stopped."""

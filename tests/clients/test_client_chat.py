@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import io
+import os
+import pty
+import re
+import select
 import signal
+import struct
 import sys
+import termios
+import time
 from typing import Any
 
 import pytest
@@ -123,3 +132,134 @@ async def test_ctrl_c_stops_the_answer_then_quits(fake_server: Any) -> None:
     assert any(m["type"] == "stop" for m in fake_server.received)
     proc.send_signal(signal.SIGINT)  # idle now: quits
     assert await asyncio.wait_for(proc.wait(), 10) == chat.EXIT_INTERRUPTED
+
+
+# ---- on a terminal: a real pty, so readline, Ctrl-C and SIGWINCH are the real ones ----
+
+
+class Tty:
+    """``wsinfer chat`` as the child of a pseudo-terminal (its controlling tty)."""
+
+    def __init__(self, url: str, history: str, *extra: str) -> None:
+        env = {**os.environ, "WSINFER_CHAT_HISTORY": history, "TERM": "xterm"}
+        argv = [sys.executable, "-m", "wsinfer.clients.chat", "--url", url, *extra]
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: become the chat
+            os.execve(sys.executable, argv, env)
+        self.resize(24, 100)
+        self.seen = ""
+        self.pos = 0
+
+    def resize(self, rows: int, cols: int) -> None:
+        # The kernel sends SIGWINCH to the terminal's foreground process.
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def send(self, keys: str) -> None:
+        os.write(self.fd, keys.encode())
+
+    def _read(self, timeout: float) -> str:
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return ""
+        try:
+            return os.read(self.fd, 65536).decode(errors="replace")
+        except OSError:  # EIO: the child has exited
+            return ""
+
+    async def expect(self, pattern: str, timeout: float = 20) -> re.Match[str]:
+        """Wait for `pattern` in the output after the previous match."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = re.compile(pattern).search(self.seen, self.pos)
+            if found:
+                self.pos = found.end()
+                return found
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {pattern!r} in {self.seen[self.pos :]!r}")
+            self.seen += await asyncio.to_thread(self._read, 0.2)
+
+    async def exit_code(self) -> int:
+        for _ in range(100):
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            self.seen += await asyncio.to_thread(self._read, 0.1)
+        raise AssertionError(f"chat did not exit: {self.seen[-500:]!r}")
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
+SPEED = r"(\d+) tokens · [\d.]+ tok/s · first token \d+ ms"
+PROMPT = r"\n> "
+
+
+@pytest.fixture
+def tty_chat(tmp_path: Any) -> Any:
+    ttys: list[Tty] = []
+
+    def make(url: str, *extra: str) -> Tty:
+        tty = Tty(url, str(tmp_path / "history"), *extra)
+        ttys.append(tty)
+        return tty
+
+    yield make
+    for tty in ttys:
+        tty.close()
+
+
+async def test_terminal_line_editing_history_and_speed(
+    fake_server: Any, tty_chat: Any, tmp_path: Any
+) -> None:
+    tty = tty_chat(fake_server.url, "--max-new-tokens", "4")
+    await tty.expect("Up/Down recall")
+    await tty.expect("> ")
+    tty.send("hello\r")
+    await tty.expect(re.escape(words(4)))
+    assert (await tty.expect(SPEED))[1] == "4"
+    await tty.expect(PROMPT)  # the prompt comes back after an answer that ended by itself
+    tty.send("\x1b[A\r")  # Up: the previous line again
+    await tty.expect(re.escape(words(4)))
+    await tty.expect(PROMPT)
+    tty.send("helo\x1b[Dl\x1b[F!\r")  # Left, insert, End, append: "hello!"
+    await tty.expect(SPEED)
+    await tty.expect(PROMPT)
+    generates = [m for m in fake_server.received if m["type"] == "generate"]
+    sent = [g["messages"][-1]["content"] for g in generates]
+    assert sent == ["hello", "hello", "hello!"]
+    assert all(g["session"] == generates[1]["session"] for g in generates[1:])
+    assert "[A" not in tty.seen
+    tty.send("\x04")  # Ctrl-D at the prompt
+    assert await tty.exit_code() == 0
+    # The history outlives the run, for the next one's Up arrow (a line
+    # recalled unchanged is not stored twice).
+    history = (tmp_path / "history").read_text().split("\n")
+    assert [h for h in history if h] == ["hello", "hello!"]
+
+
+async def test_terminal_ctrl_c_and_resize_mid_answer(fake_server: Any, tty_chat: Any) -> None:
+    fake_server.delay = 0.02
+    tty = tty_chat(fake_server.url, "--max-new-tokens", "1000")
+    await tty.expect("> ")
+    tty.send("tell me everything\r")
+    await tty.expect(r"w3 ")
+    tty.resize(20, 40)  # mid-answer: the answer goes on
+    await tty.expect(r"w30 ")
+    tty.send("\x03")  # Ctrl-C: stops the answer, not the chat
+    await tty.expect("stopping; Ctrl-C again to quit")
+    speed = await tty.expect(r"\[([^\]\n]*)(\]|…)")
+    assert len(speed[0]) <= 40 + len("\x1b[2m") and "tokens" in speed[1]
+    await tty.expect(PROMPT)
+    assert any(m["type"] == "stop" for m in fake_server.received)
+    turn = fake_server.sessions[next(iter(fake_server.sessions))].turns[-1]
+    assert turn.finished and turn.seq < 1000
+    tty.resize(30, 120)  # at the prompt: readline takes the new width
+    tty.send("/new\r")
+    await tty.expect("new session")
+    await tty.expect(PROMPT)
+    assert any(m["type"] == "close" for m in fake_server.received)
+    tty.send("\x03")  # Ctrl-C at the prompt quits
+    assert await tty.exit_code() == chat.EXIT_INTERRUPTED
