@@ -105,12 +105,15 @@ function legacyCopy(text) {
 }
 
 /**
- * Re-renders a streaming message at most once per `interval` ms: parsing the
- * whole text per delta would be quadratic work on a long answer.
+ * Re-renders a streaming message at most once per `interval` ms, and spends
+ * at most a fifth of the time rendering: each render parses the whole text,
+ * so a long answer on a slow device renders less often instead of falling
+ * behind the stream.
  */
 export class StreamingMarkdown {
   constructor(el, interval = 50) {
     this.el = el;
+    this.minInterval = interval;
     this.interval = interval;
     this.text = "";
     this.timer = null;
@@ -125,6 +128,8 @@ export class StreamingMarkdown {
   flush() {
     clearTimeout(this.timer);
     this.timer = null;
+    const started = performance.now();
     renderMarkdown(this.el, this.text);
+    this.interval = Math.max(this.minInterval, 4 * (performance.now() - started));
   }
 }

@@ -178,8 +178,9 @@ class Tty:
                 raise AssertionError(f"no {pattern!r} in {self.seen[self.pos :]!r}")
             self.seen += await asyncio.to_thread(self._read, 0.2)
 
-    async def exit_code(self) -> int:
-        for _ in range(100):
+    async def exit_code(self, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 return os.waitstatus_to_exitcode(status)
@@ -191,6 +192,14 @@ class Tty:
             os.kill(self.pid, signal.SIGKILL)
             os.waitpid(self.pid, 0)
         os.close(self.fd)
+
+
+async def received(server: Any, kind: str, timeout: float = 10) -> None:
+    """Wait until the server got a message of this type (some are not answered)."""
+    deadline = time.monotonic() + timeout
+    while not any(m["type"] == kind for m in server.received):
+        assert time.monotonic() < deadline, f"no {kind} in {server.received}"
+        await asyncio.sleep(0.02)
 
 
 SPEED = r"(\d+) tokens · [\d.]+ tok/s · first token \d+ ms"
@@ -253,13 +262,13 @@ async def test_terminal_ctrl_c_and_resize_mid_answer(fake_server: Any, tty_chat:
     speed = await tty.expect(r"\[([^\]\n]*)(\]|…)")
     assert len(speed[0]) <= 40 + len("\x1b[2m") and "tokens" in speed[1]
     await tty.expect(PROMPT)
-    assert any(m["type"] == "stop" for m in fake_server.received)
+    await received(fake_server, "stop")
     turn = fake_server.sessions[next(iter(fake_server.sessions))].turns[-1]
     assert turn.finished and turn.seq < 1000
     tty.resize(30, 120)  # at the prompt: readline takes the new width
     tty.send("/new\r")
     await tty.expect("new session")
     await tty.expect(PROMPT)
-    assert any(m["type"] == "close" for m in fake_server.received)
+    await received(fake_server, "close")
     tty.send("\x03")  # Ctrl-C at the prompt quits
     assert await tty.exit_code() == chat.EXIT_INTERRUPTED
