@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -92,3 +94,62 @@ class Backoff:
     @property
     def down(self) -> bool:
         return self.down_since is not None
+
+
+# --- Lua scripts in pipelines ------------------------------------------------------
+#
+# redis-py sends SCRIPT EXISTS before every pipeline that holds a Script object:
+# an extra round trip per generate, per touch and per engine step. These queue
+# plain EVALSHAs instead and load the scripts only when Redis says it lacks
+# them (first use, or a Redis that restarted without them). After a restart
+# a pipeline may run twice: its other commands are idempotent or, for a
+# turn's work item, a stray that the engine's claim refuses.
+
+
+def queue_script(pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> None:
+    pipe.evalsha(script.sha, len(keys), *keys, *args)
+
+
+# (client, script sha) pairs loaded by this process: loading before a script's
+# first pipeline keeps the other commands of that pipeline from running twice.
+_loaded: set[tuple[int, str]] = set()
+
+
+def _to_load(client: Any, scripts: list[Any]) -> list[Any]:
+    return [s for s in scripts if (id(client), s.sha) not in _loaded]
+
+
+def _lacks_script(results: list[Any]) -> bool:
+    return any(isinstance(r, redis.exceptions.NoScriptError) for r in results)
+
+
+async def run_pipeline(
+    client: aioredis.Redis, build: Callable[[Any], None], scripts: list[Any]
+) -> list[Any]:
+    """Build and run a pipeline (errors as values); loads ``scripts`` if needed."""
+    for attempt in range(2):
+        for script in _to_load(client, scripts) if attempt == 0 else scripts:
+            await client.script_load(script.script)
+            _loaded.add((id(client), script.sha))
+        pipe = client.pipeline(transaction=False)
+        build(pipe)
+        results = list(await pipe.execute(raise_on_error=False))
+        if attempt or not _lacks_script(results):
+            return results
+    raise AssertionError("unreachable")
+
+
+def run_pipeline_sync(
+    client: redis.Redis, build: Callable[[Any], None], scripts: list[Any]
+) -> list[Any]:
+    """``run_pipeline`` for the engine's synchronous client."""
+    for attempt in range(2):
+        for script in _to_load(client, scripts) if attempt == 0 else scripts:
+            client.script_load(script.script)
+            _loaded.add((id(client), script.sha))
+        pipe = client.pipeline(transaction=False)
+        build(pipe)
+        results = list(pipe.execute(raise_on_error=False))
+        if attempt or not _lacks_script(results):
+            return results
+    raise AssertionError("unreachable")

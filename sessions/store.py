@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from wsinfer.sessions import keys, scripts
+from wsinfer.sessions.connection import queue_script, run_pipeline
 from wsinfer.sessions.schema import (
     GenerationParams,
     TurnEvent,
@@ -134,24 +135,24 @@ class SessionStore:
         # refuses, the item is a harmless stray: an engine's claim of a turn
         # that is not queued fails, and it acks the item.
         status_from = ",".join(s.value for s in allowed_from(Action.START))
-        pipe: Pipeline = self.redis.pipeline(transaction=False)
-        await self._start(
-            keys=[keys.meta(session), keys.turn_input(session, turn), *_others(session, turn)],
-            args=[
-                token_hash,
-                "1" if is_new else "0",
-                turn,
-                turn_input.mode,
-                turn_input.pack(),
-                time.time(),
-                self.ttl_s,
-                status_from,
-                target(Action.START).value,
-            ],
-            client=pipe,
-        )
-        pipe.xadd(queue, encode(TurnRequest(session, turn)), maxlen=keys.REQUESTS_MAXLEN)
-        reply, queued = await pipe.execute(raise_on_error=False)
+        script_keys = [keys.meta(session), keys.turn_input(session, turn), *_others(session, turn)]
+        args = [
+            token_hash,
+            "1" if is_new else "0",
+            turn,
+            turn_input.mode,
+            turn_input.pack(),
+            time.time(),
+            self.ttl_s,
+            status_from,
+            target(Action.START).value,
+        ]
+
+        def build(pipe: Pipeline) -> None:
+            queue_script(pipe, self._start, script_keys, args)
+            pipe.xadd(queue, encode(TurnRequest(session, turn)), maxlen=keys.REQUESTS_MAXLEN)
+
+        reply, queued = await run_pipeline(self.redis, build, [self._start])
         for result in (reply, queued):
             if isinstance(result, Exception):
                 raise result
@@ -245,12 +246,17 @@ class SessionStore:
         with a Redis that restarted without persistence).
         """
         now = time.time()
-        pipe: Pipeline = self.redis.pipeline(transaction=False)
-        for session, turns in sessions.items():
-            await self._touch(
-                keys=keys.session_keys(session, turns), args=[now, self.ttl_s], client=pipe
-            )  # queued: the pipeline runs them all at once
-        replies = await pipe.execute()
+
+        def build(pipe: Pipeline) -> None:
+            for session, turns in sessions.items():
+                queue_script(
+                    pipe, self._touch, keys.session_keys(session, turns), [now, self.ttl_s]
+                )
+
+        replies = await run_pipeline(self.redis, build, [self._touch])
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
         return [s for s, found in zip(sessions, replies, strict=True) if not found]
 
     async def read_turn(self, session: str, turn: int) -> tuple[list[TurnEvent], str]:

@@ -106,6 +106,30 @@ async def test_client_mistakes_and_outages_log_a_few_lines_and_no_tracebacks(
         stop(process)
 
 
+async def test_a_redis_outage_logs_a_few_lines_and_no_tracebacks(tmp_path: Path) -> None:
+    from wsinfer.supervisor import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    (tmp_path / "redis").mkdir()
+    server.start()
+    log_path = tmp_path / "frontend.log"
+    process, port = spawn_frontend(server.url, log_path, "--request-rate", "100000")
+    try:
+        client = await Client.open(port)
+        server.stop()
+        deadline = time.monotonic() + 5
+        codes: Counter[str] = Counter()
+        while time.monotonic() < deadline:  # clients keep trying through the outage
+            await client.send(type="generate", prompt="hi")
+            codes[(await client.recv())["code"]] += 1
+        assert set(codes) == {"engine_unavailable"} and codes["engine_unavailable"] > 20
+        await client.close()
+        text = log_path.read_text()
+        assert "Traceback" not in text and len(text.splitlines()) <= 20, text[-3000:]
+    finally:
+        stop(process)
+
+
 # --- item 6: memory of a client that does not read; request rates --------------------
 
 

@@ -83,3 +83,51 @@ async def test_a_thousand_concurrent_sessions_on_one_frontend_get_no_errors(
     )
     assert counts == {"session": SESSIONS}
     assert all(d["type"] == "done" and d["finish_reason"] in ("stop", "length") for d in dones)
+
+
+async def test_a_generate_costs_few_redis_round_trips(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: ZCOUNT, XINFO GROUPS, SCRIPT EXISTS + EVALSHA, HGET, XADD, a wake-up
+    XADD and the fan-in's XREAD again: eight per generate. Now the request's own
+    path is one (script and work item pipelined; capacity from a shared
+    snapshot); the fan-in's wake-up and re-read, off that path, are shared by
+    requests that arrive together."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.connection import AbstractConnection
+
+    from tests.wsinfer.test_server_e2e import start_frontend
+    from wsinfer.sessions import keys
+
+    sends = Counter[str]()
+    original = AbstractConnection.send_packed_command
+
+    async def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        sends["round trips"] += 1
+        await original(self, command, check_health)
+
+    probe = aioredis.from_url(redis_url)
+    await probe.zadd(keys.ENGINES, {"engine-x": time.time() + 3600})  # "alive"
+    # No touch ticks during the count: they are per followed session, not per request.
+    frontend = await start_frontend(redis_url, request_rate=1e6)
+    frontend.config.touch_interval_s = 3600
+    try:
+        clients = [await Client.open(frontend.port) for _ in range(4)]
+        await clients[0].send(type="generate", prompt="warm-up")
+        await clients[0].recv()
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+        n = 100  # 25 per connection: under its 64 sessions
+        for i in range(n):
+            await clients[i % 4].send(type="generate", id=i, prompt="hi")
+        for i in range(n):
+            answer = await clients[i % 4].recv()
+            assert answer["type"] == "session", answer
+        monkeypatch.undo()
+        for client in clients:
+            await client.close()
+    finally:
+        await frontend.stop()
+        await probe.aclose()
+    per = sends["round trips"] / n
+    print(f"\n{per:.2f} Redis round trips per generate (fan-in and capacity checks included)")
+    assert per < 2.5
