@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest
+from wsinfer.engine.eager import EagerEngineCore
 from wsinfer.engine.model import LoadedModel, load_model
 from wsinfer.engine.prompts import render_chat
 from wsinfer.sessions.schema import GenerationParams
@@ -155,27 +156,29 @@ def throughput_table(
     new_tokens: int,
     with_cb: bool,
     repeats: int = 1,
-    unpacked: LoadedModel | None = None,
+    previous: LoadedModel | None = None,
 ) -> list[str]:
     """EngineCore on ``loaded`` vs transformers on ``baseline`` (a separate copy of the model).
 
-    ``unpacked``: a third copy for EngineCore with ``pack_cpu_weights`` off, to show
-    what the default re-layout of CPU weights is worth. The ratios are the default's.
+    ``previous``: a third copy for ``EagerEngineCore`` (the eager transformers forward
+    over a right-aligned KV batch, which every model used before the paged fast path
+    and non-Llama models still use), measured in the same run. The ratios are
+    EngineCore's.
     """
     # No early EOS: every request makes exactly new_tokens tokens on every side.
     params = GenerationParams(max_new_tokens=new_tokens, temperature=0.7)
-    engines = [
-        EngineCore(dataclasses.replace(m, eos_token_ids=set()), EngineConfig(max(batches), **kw))
-        for m, kw in [(loaded, {}), (unpacked, {"pack_cpu_weights": False})]
-        if m is not None
-    ]
+    config = EngineConfig(max(batches))
+    engines: list[Any] = [EngineCore(dataclasses.replace(loaded, eos_token_ids=set()), config)]
+    if previous is not None:
+        engines.append(EagerEngineCore(dataclasses.replace(previous, eos_token_ids=set()), config))
     cb = TransformersCB(baseline, new_tokens, max(batches)) if with_cb else None
     for i, core in enumerate(engines):
         warm(core, baseline, cb if i == 0 else None)
     rows = [
-        "| streams | EngineCore tok/s | EngineCore, weights unpacked | generate (static) "
-        "| engine / generate | transformers CB | engine / CB | engine N / engine 1 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| streams | EngineCore tok/s | previous (eager) core | EngineCore / previous "
+        "| generate (static) | engine / generate | transformers CB | engine / CB "
+        "| engine N / engine 1 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     single = 0.0
     for n in batches:
@@ -187,13 +190,16 @@ def throughput_table(
         ours = rates[0]
         static = best_rate(total, partial(run_generate, baseline, prompts, new_tokens), repeats)
         single = single or ours
-        unpacked_cell = f"{rates[1]:.1f}" if len(rates) > 1 else "n/a"
+        previous_cell, previous_ratio = "n/a", "n/a"
+        if len(rates) > 1:
+            previous_cell, previous_ratio = f"{rates[1]:.1f}", f"{ours / rates[1]:.2f}x"
         cb_cell, cb_ratio = "n/a", "n/a"
         if cb is not None:
             cb_rate = best_rate(total, partial(cb.run, prompts), repeats)
             cb_cell, cb_ratio = f"{cb_rate:.1f}", f"{ours / cb_rate:.2f}x"
         rows.append(
-            f"| {n} | {ours:.1f} | {unpacked_cell} | {static:.1f} | {ours / static:.2f}x "
+            f"| {n} | {ours:.1f} | {previous_cell} | {previous_ratio} | {static:.1f} "
+            f"| {ours / static:.2f}x "
             f"| {cb_cell} | {cb_ratio} | {ours / single:.2f}x |"
         )
         print(rows[-1], file=sys.stderr, flush=True)
@@ -395,6 +401,7 @@ class GpuRow:
     streams: int
     engine: float | None = None
     syncs: float | None = None
+    idle_ms: float | None = None  # GPU time per step spent waiting for the host
     static: float | None = None
     eager: float | None = None
     cb: float | None = None
@@ -424,15 +431,16 @@ class GpuRow:
             f"| {fmt(ratio(self.engine, self.static), '.2f')}x | {fmt(self.eager)} "
             f"| {fmt(self.cb)} | {fmt(ratio(self.engine, self.cb), '.2f')}x "
             f"| {self.roofline:.0f} | {fmt(ratio(self.engine, self.roofline), '.3f')} "
-            f"| {fmt(ratio(self.static, self.roofline), '.3f')} | {fmt(self.syncs, '.2f')} |"
+            f"| {fmt(ratio(self.static, self.roofline), '.3f')} | {fmt(self.syncs, '.2f')} "
+            f"| {fmt(self.idle_ms, '.3f')} |"
         )
 
 
 GPU_HEADER = [
     "| streams | EngineCore tok/s | generate static+compile | engine / static+compile "
     "| generate eager | transformers CB | engine / CB | roofline tok/s | engine / roofline "
-    "| static+compile / roofline | host syncs / step |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
+    "| static+compile / roofline | host syncs / step | GPU idle ms / step |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -460,7 +468,10 @@ def gpu_table(
         row.roofline = roofline(loaded, row.streams, context, bandwidth)
         total = row.streams * new_tokens
         engine = partial(best_rate, total, partial(run_engine, core, prompts, params), 1)
+        idle, steps = core.gpu_idle_seconds, core.steps
         row.engine = row.attempt("EngineCore", engine)
+        if core.device.type == "cuda" and core.steps > steps:
+            row.idle_ms = 1000 * (core.gpu_idle_seconds - idle) / (core.steps - steps)
         row.syncs = row.attempt("host syncs", partial(syncs_per_step, core, prompts))
         print(f"engine, {row.streams} streams: {row.cells()}", file=sys.stderr)
     del core
@@ -527,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--history-tokens", type=int, default=1500)
     parser.add_argument("--no-cb", action="store_true", help="skip transformers' own CB")
     parser.add_argument(
-        "--no-unpacked", action="store_true", help="skip the run with pack_cpu_weights off"
+        "--no-previous", action="store_true", help="skip the previous (eager) engine core"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the best counts")
@@ -548,15 +559,13 @@ def main(argv: list[str] | None = None) -> None:
         batches = [int(b) for b in args.batches.split(",")]
         print(f"## (a) throughput, sampling, {args.new_tokens} new tokens per stream\n")
         baseline = load_model(args.model, device=args.device, dtype=args.dtype)
-        packable = args.device == "cpu" and args.dtype == "float32" and not args.no_unpacked
-        unpacked = (
-            load_model(args.model, device=args.device, dtype=args.dtype) if packable else None
-        )
+        copy = partial(load_model, args.model, device=args.device, dtype=args.dtype)
+        previous = None if args.no_previous else copy()
         table = throughput_table(
-            loaded, baseline, batches, args.new_tokens, not args.no_cb, args.repeats, unpacked
+            loaded, baseline, batches, args.new_tokens, not args.no_cb, args.repeats, previous
         )
         print("\n".join(table) + "\n")
-        del baseline, unpacked
+        del baseline, previous
     if args.only in (None, "b"):
         print(f"## (b) multi-turn time to first token, ~{args.history_tokens}-token history\n")
         print("\n".join(multiturn_table(loaded, args.history_tokens)) + "\n")

@@ -34,7 +34,7 @@ from .lifecycle import CoreBase, EngineConfig, EngineRequest, RequestOutput, Seq
 from .llama import FastLlama, UnsupportedModel, fast_model_for
 from .model import LoadedModel
 from .runner import ModelRunner, PrefillPiece
-from .sampling import RowSampling, Variant, variant_of
+from .sampling import RowSampling, Variant, to_device, variant_of
 
 __all__ = ["EngineConfig", "EngineCore", "EngineRequest", "RequestOutput", "build_core"]
 
@@ -58,7 +58,9 @@ class _Launch:
     decode: list[_Seq | None]  # by row; None: the row computed nothing useful
     prefilled: list[_Seq]  # at last_tokens[max_rows + j]
     host: torch.Tensor
-    event: torch.cuda.Event | None
+    event: torch.cuda.Event | None  # the step's end on the GPU (CUDA only)
+    start: torch.cuda.Event | None = None  # its start on the GPU
+    previous_end: torch.cuda.Event | None = None  # the end of the step launched before
 
 
 class EngineCore(CoreBase):
@@ -88,6 +90,11 @@ class EngineCore(CoreBase):
         self._hosts = [self._host_buffer() for _ in range(2)]
         self._flip = 0
         self.graph_capture_seconds = 0.0
+        # GPU time spent waiting for the host between steps (CUDA): what async steps and
+        # pipelined publishing are meant to keep near zero.
+        self.gpu_idle_seconds = 0.0
+        self.steps = 0
+        self._last_end: torch.cuda.Event | None = None
         if cfg.cuda_graphs if cfg.cuda_graphs is not None else on_cuda:
             self.graph_capture_seconds = self.runner.capture_graphs(
                 lambda line: log.info(line, pool_blocks=self.pool.num_blocks)
@@ -169,7 +176,7 @@ class EngineCore(CoreBase):
             seq.target = len(seq.tokens)
             if seq.request.params.repetition_penalty != 1.0:
                 seq.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-                seq.seen[torch.tensor(seq.tokens, device=self.device)] = True
+                seq.seen[to_device(seq.tokens, self.device)] = True
             self._prefilling.append(seq)
             room -= 1
 
@@ -207,12 +214,16 @@ class EngineCore(CoreBase):
         pieces = self._schedule_prefill()
         if not decode and not pieces:
             return None
+        start = _timing_event() if self.device.type == "cuda" else None
         if decode:
             self._variant = self._variant or variant_of([s.request.params for s in self.rows.seqs])
             self.runner.decode(self.rows, self._variant)
             self._advance_rows(decode)
         prefilled = self._run_prefill(pieces) if pieces else []
-        return self._record(decode, prefilled)
+        launch = self._record(decode, prefilled)
+        launch.start, launch.previous_end = start, self._last_end
+        self._last_end = launch.event
+        return launch
 
     def _schedule_decode(self) -> list[_Seq | None]:
         """Give every running row a slot for its next token; None for rows that need none."""
@@ -319,10 +330,7 @@ class EngineCore(CoreBase):
         last = self.runner.last_tokens
         n = len(last) if prefilled else len(decode)
         host[:n].copy_(last[:n], non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
+        event = _timing_event() if self.device.type == "cuda" else None
         return _Launch(decode, prefilled, host, event)
 
     # --- handing out tokens -------------------------------------------------------------
@@ -330,6 +338,8 @@ class EngineCore(CoreBase):
     def _process(self, launch: _Launch) -> list[RequestOutput]:
         if launch.event is not None:
             launch.event.synchronize()
+            self._count_idle(launch)
+        self.steps += 1
         tokens = launch.host.tolist()
         base = self.runner.max_rows
         pairs = [(s, tokens[i]) for i, s in enumerate(launch.decode) if s is not None]
@@ -340,6 +350,11 @@ class EngineCore(CoreBase):
                 seq.pending -= 1
                 outputs.append(self._accept(seq, token))
         return outputs
+
+    def _count_idle(self, launch: _Launch) -> None:
+        if launch.start is not None and launch.previous_end is not None:
+            gap = launch.previous_end.elapsed_time(launch.start) / 1000
+            self.gpu_idle_seconds += max(0.0, gap)
 
     # --- leaving ------------------------------------------------------------------------
 
@@ -376,6 +391,12 @@ class EngineCore(CoreBase):
         failed = list(self.rows.seqs) + list(self._prefilling)
         self._pending = None
         return [self._final_output(s, "error", [], "", error=message) for s in failed]
+
+
+def _timing_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def build_core(loaded: LoadedModel, config: EngineConfig | None = None) -> Any:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .sampling import to_device
+
 SCRATCH_BLOCK = 0
 
 
@@ -72,13 +74,13 @@ class KVPool:
 
     def copy_out(self, blocks: list[int], tokens: int, device: torch.device) -> HostKV:
         """The first ``tokens`` slots of ``blocks``, copied to ``device`` (offloading)."""
-        index = torch.tensor(blocks, device=self.k.device)
+        index = to_device(blocks, self.k.device)
         pin = device.type == "cpu" and self.k.device.type == "cuda"
         k, v = (_copy_to(t[:, index], device, pin) for t in (self.k, self.v))
         return HostKV(k, v)
 
     def copy_in(self, host: HostKV, blocks: list[int]) -> None:
-        index = torch.tensor(blocks, device=self.k.device)
+        index = to_device(blocks, self.k.device)
         self.k[:, index] = host.k.to(self.k.device, non_blocking=True)
         self.v[:, index] = host.v.to(self.v.device, non_blocking=True)
 

@@ -308,6 +308,11 @@ class ModelRunner:
             return 0.0
         started = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            self._capture_all(pool, progress)
+        return time.monotonic() - started
+
+    def _capture_all(self, pool: Any, progress: Callable[[str], None] | None) -> None:
         self.step_ints.zero_()  # every row: length 0, scratch slot
         for bucket in reversed(self.buckets):  # largest first: the rest reuse its memory
             for variant in Variant:
@@ -315,7 +320,6 @@ class ModelRunner:
             if progress is not None:
                 progress(f"captured decode graphs for batch {bucket}")
         self.seen.zero_()
-        return time.monotonic() - started
 
     def _capture(self, bucket: int, variant: Variant, pool: Any) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.Stream()

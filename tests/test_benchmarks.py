@@ -50,11 +50,12 @@ def data_rows(table: list[str]) -> list[list[str]]:
 
 def test_throughput_table_has_a_row_per_batch_size(bench_engine: ModuleType) -> None:
     table = bench_engine.throughput_table(
-        tiny(), tiny(), [1, 3], new_tokens=4, with_cb=False, unpacked=tiny()
+        tiny(), tiny(), [1, 3], new_tokens=4, with_cb=False, previous=tiny()
     )
     rows = data_rows(table)
     assert [row[0] for row in rows] == ["1", "3"]
-    assert all(float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) > 0 for row in rows)
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 and float(row[4]) > 0 for row in rows)
+    assert all(row[3].endswith("x") for row in rows)  # EngineCore / the previous core
     assert rows[0][-1] == "1.00x"  # engine N / engine 1
 
 
