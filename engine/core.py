@@ -146,12 +146,6 @@ class EngineCore(CoreBase):
     def has_unfinished(self) -> bool:
         return bool(self._seqs or self._immediate or self._pending)
 
-    def cached_length(self, cache_key: str) -> int:
-        return self.store.length(cache_key)
-
-    def drop_cache(self, cache_key: str) -> None:
-        self.store.drop(cache_key)
-
     @property
     def num_running(self) -> int:
         return len(self.rows)

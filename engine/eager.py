@@ -71,12 +71,6 @@ class EagerEngineCore(CoreBase):
             self._maybe_compact()
         return outputs
 
-    def cached_length(self, cache_key: str) -> int:
-        return self.store.length(cache_key)
-
-    def drop_cache(self, cache_key: str) -> None:
-        self.store.drop(cache_key)
-
     @property
     def num_running(self) -> int:
         return len(self._rows)

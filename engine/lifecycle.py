@@ -87,6 +87,8 @@ class Sequence:
 class CoreBase:
     """Request bookkeeping common to the engine cores; subclasses run the model."""
 
+    store: Any  # retained KV caches by cache key (``length``, ``drop``)
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None) -> None:
         self.loaded = loaded
         self.config = config or EngineConfig()
@@ -121,6 +123,13 @@ class CoreBase:
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs or self._immediate)
+
+    def cached_length(self, cache_key: str) -> int:
+        """Tokens of ``cache_key``'s retained KV (0: none)."""
+        return int(self.store.length(cache_key))
+
+    def drop_cache(self, cache_key: str) -> None:
+        self.store.drop(cache_key)
 
     # --- for subclasses ----------------------------------------------------------
 
