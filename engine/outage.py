@@ -40,7 +40,7 @@ class OutageGuard:
                 raise
             self._failed(exc)  # Redis came back empty: recover() makes the group again
             return True
-        except (redis.RedisError, OSError) as exc:
+        except (redis.RedisError, ConnectionError) as exc:
             if not is_outage(exc):
                 raise
             self._failed(exc)

@@ -34,8 +34,7 @@ READ_TIMEOUT_S = 15.0
 OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
-    ConnectionError,
-    OSError,
+    ConnectionError,  # the builtin one (resets, refusals) when redis-py does not wrap it
 )
 
 
