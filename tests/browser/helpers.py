@@ -155,7 +155,7 @@ async def seq_of(page: Any) -> int:
     return int(await page.get_attribute(LAST_ANSWER, "data-seq") or 0)
 
 
-async def wait_done(page: Any, timeout: float = 120_000) -> str:
+async def wait_done(page: Any, timeout: float = 300_000) -> str:
     # Generous: a loaded 2-core machine runs the server, the browser and the test.
     await page.wait_for_selector(f"{LAST_ANSWER}[data-finish]", timeout=timeout)
     return str(await page.get_attribute(LAST_ANSWER, "data-finish"))
