@@ -70,6 +70,11 @@ def _add_frontend(parser: argparse.ArgumentParser) -> None:
         help="a web origin allowed to open WebSockets, besides the page's own and "
         "localhost (repeatable; '*' allows any; env WSINFER_ALLOWED_ORIGINS=a,b)",
     )
+    parser.add_argument(
+        "--model-name",
+        default=_env("MODEL_NAME", "wsinfer"),
+        help="the model id the OpenAI-compatible HTTP routes answer to",
+    )
 
 
 def _add_sessions(parser: argparse.ArgumentParser) -> None:
@@ -202,6 +207,7 @@ def _frontend_config(args: argparse.Namespace, redis_url: str) -> Any:
         max_outgoing_bytes=args.max_outgoing_bytes,
         allowed_origins=frozenset(args.allowed_origins),
         touch_interval_s=touch_interval(args.idle_pause),
+        model_name=args.model_name,
     )
 
 

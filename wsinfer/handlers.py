@@ -15,13 +15,13 @@ from wsinfer.sessions.states import IllegalTransition, Status
 from wsinfer.sessions.store import TurnInput
 
 if TYPE_CHECKING:
-    from wsinfer.server import Connection
+    from wsinfer.peer import Peer
 
 MAX_FOLLOWED_PER_CONNECTION = 64
 
 
 class Handlers:
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Peer) -> None:
         self.conn = conn
         self.frontend = conn.frontend
         self.store = conn.frontend.store

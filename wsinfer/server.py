@@ -36,6 +36,8 @@ from wsinfer.errors import (
 )
 from wsinfer.fanin import FanIn
 from wsinfer.handlers import Handlers
+from wsinfer.http.app import HttpApp
+from wsinfer.http.door import front_door
 from wsinfer.limits import CapacityGate, LogThrottle, TokenBucket, origin_allowed
 from wsinfer.messages import SUBPROTOCOLS, Limits, codec_for
 from wsinfer.metrics import Metrics
@@ -59,6 +61,7 @@ class FrontendConfig:
     max_queued_turns: int = 256  # beyond this, generate gets `overloaded`
     max_frame_bytes: int = 1 << 20
     touch_interval_s: float = 5.0
+    model_name: str = "wsinfer"  # the model id of the OpenAI-compatible routes
     engine_heartbeat_s: float = 5.0  # an engine silent longer than this is not counted
     redis_pool_size: int = DEFAULT_POOL_SIZE  # requests beyond it wait for a connection
     # Per connection: output waiting for a slow reader before its sources pause,
@@ -87,6 +90,7 @@ class Frontend:
         self.metrics = Metrics()
         self.connections: set[Connection] = set()
         self.log_throttle = LogThrottle()
+        self.http = HttpApp(self)  # plain HTTP on the same port (wsinfer/http/)
         self._tasks: list[asyncio.Task[None]] = []
         self.server: Server | None = None
 
@@ -99,6 +103,7 @@ class Frontend:
             subprotocols=list(SUBPROTOCOLS),  # type: ignore[arg-type]
             select_subprotocol=_select_subprotocol,
             process_request=self._process_request,
+            create_connection=front_door(self.http),
             max_size=self.config.max_frame_bytes,
             ping_interval=20,
             ping_timeout=20,
@@ -114,6 +119,7 @@ class Frontend:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
+            self.http.close()
             await self.server.wait_closed()
         for task in self._tasks:
             task.cancel()
@@ -134,7 +140,8 @@ class Frontend:
         while True:
             await asyncio.sleep(self.config.touch_interval_s)
             followed: dict[str, int] = {}
-            for conn in self.connections:
+            peers: list[Any] = [*self.connections, *self.http.peers]
+            for conn in peers:
                 followed.update({s: f.turn for s, f in conn.protocol.feeds.items()})
             self.metrics.active_sessions.set(len(followed))
             if not followed:
@@ -148,7 +155,8 @@ class Frontend:
                 self._session_lost(session)
 
     def _session_lost(self, session: str) -> None:
-        for conn in list(self.connections):
+        peers: list[Any] = [*self.connections, *self.http.peers]
+        for conn in peers:
             if session in conn.protocol.feeds:
                 self.fanin.unsubscribe((conn.id, session))
                 conn.protocol.lost(session, "the session no longer exists (closed or expired)")
@@ -156,7 +164,9 @@ class Frontend:
 
     # --- HTTP on the same port -------------------------------------------------
 
-    async def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+    async def _process_request(
+        self, conn: ServerConnection | None, request: Request
+    ) -> Response | None:
         path = urlsplit(request.path).path
         if path == "/v1/ws":
             headers = request.headers

@@ -1,0 +1,339 @@
+"""The HTTP routes: OpenAI chat completions, models, and the session routes.
+
+Each route is an adapter over the same operations the WebSocket path runs:
+an ``HttpPeer`` carries a ``Handlers`` (generate, resume, stop, pause, close)
+and the connection protocol's exactly-once delivery by ``seq``. Paths outside
+``/v1/`` (and ``/v1/ws`` without an upgrade) go to the frontend's existing
+plain routes (``/healthz``, ``/metrics``, the chat page).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import h11
+import structlog
+from websockets.http11 import Request
+
+from wsinfer.errors import InternalError, to_protocol_error
+from wsinfer.http.connection import HttpConnection, HttpRequest, HttpResponse
+from wsinfer.http.openai import (
+    Completion,
+    OpenAIError,
+    bad_request,
+    parse_chat_request,
+    sse,
+    sse_for,
+    turn_error,
+)
+from wsinfer.http.peer import HttpPeer
+from wsinfer.messages import Resume, SessionCommand
+from wsinfer.sessions.states import Status
+
+if TYPE_CHECKING:
+    from wsinfer.server import Frontend
+
+log = structlog.get_logger("wsinfer.http")
+
+# An SSE comment this often: proxies keep the stream open, a vanished client is noticed.
+KEEPALIVE_S = 15.0
+# How long POST .../stop and .../pause wait to report the outcome (202 after that).
+CONTROL_WAIT_S = 10.0
+SESSION_HEADER = "X-Wsinfer-Session"
+TOKEN_HEADER = "X-Wsinfer-Token"
+TURN_HEADER = "X-Wsinfer-Turn"
+
+Handler = Callable[..., Awaitable[HttpResponse]]
+
+
+class HttpApp:
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.peers: set[HttpPeer] = set()  # the frontend keeps their sessions watched
+        self.connections: set[HttpConnection] = set()
+        self.routes: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
+            (re.compile(r"/v1/chat/completions"), {"POST": self.chat_completions}),
+            (re.compile(r"/v1/models"), {"GET": self.models}),
+            (re.compile(r"/v1/models/(?P<model>[^/]+)"), {"GET": self.model}),
+            (
+                re.compile(r"/v1/sessions/(?P<session>\w+)"),
+                {"GET": self.info, "DELETE": self.delete},
+            ),
+            (re.compile(r"/v1/sessions/(?P<session>\w+)/stream"), {"GET": self.stream}),
+            (
+                re.compile(r"/v1/sessions/(?P<session>\w+)/(?P<action>stop|pause|resume)"),
+                {"POST": self.control},
+            ),
+        ]
+
+    # --- connections ------------------------------------------------------------------
+
+    def take(
+        self, transport: asyncio.Transport, raw: bytes, upgrade: Callable[[bytes], None]
+    ) -> None:
+        """A connection whose first request is plain HTTP: h11 serves it from here."""
+        conn = HttpConnection(
+            self,
+            transport,
+            h11.Connection(h11.SERVER),
+            max_body=self.frontend.config.max_frame_bytes,
+            upgrade=upgrade,
+            on_close=self.connections.discard,
+        )
+        self.connections.add(conn)
+        conn.start()
+        conn.data_received(raw)
+
+    def close(self) -> None:
+        """Drop every HTTP connection: SSE clients reconnect (to any frontend) and resume."""
+        for conn in list(self.connections):
+            conn.transport.abort()
+
+    def refuse(self, status: int, message: str) -> HttpResponse:
+        return error_response(OpenAIError(status, message, code="bad_request"))
+
+    # --- dispatch ---------------------------------------------------------------------
+
+    async def handle(self, request: HttpRequest) -> HttpResponse:
+        try:
+            return await self._route(request)
+        except OpenAIError as exc:
+            return error_response(exc)
+        except Exception as exc:  # every failure becomes an OpenAI-shaped error
+            error = to_protocol_error(exc)
+            if isinstance(error, InternalError):
+                log.exception("http request failed", path=request.path)
+            return error_response(OpenAIError.from_wsinfer(error))
+
+    async def _route(self, request: HttpRequest) -> HttpResponse:
+        path = request.path
+        if not path.startswith("/v1/") or path == "/v1/ws":
+            return await self._plain(request)
+        for pattern, methods in self.routes:
+            match = pattern.fullmatch(path)
+            if match is None:
+                continue
+            if request.method not in methods:
+                raise OpenAIError(405, f"{request.method} is not allowed on {path}", code="method")
+            self._authorize(request)
+            return await methods[request.method](request, **match.groupdict())
+        raise OpenAIError(404, f"no route {path}", code="not_found")
+
+    def _authorize(self, request: HttpRequest) -> None:
+        if not self.frontend._authorized(Request(request.target, request.headers)):
+            raise OpenAIError(401, "bad or missing API key", code="invalid_api_key")
+
+    async def _plain(self, request: HttpRequest) -> HttpResponse:
+        if request.method != "GET":
+            message = f"{request.method} is not allowed on {request.path}"
+            raise OpenAIError(405, message, code="method")
+        as_handshake = Request(request.target, request.headers)
+        answer = await self.frontend._process_request(None, as_handshake)
+        if answer is None:  # /v1/ws, authorized, but not a WebSocket handshake
+            head = [("Upgrade", "websocket"), ("Content-Type", "text/plain")]
+            return HttpResponse(426, head, b"upgrade required\n")
+        headers = [(k, v) for k, v in answer.headers.raw_items() if k.lower() != "content-length"]
+        return HttpResponse(answer.status_code, headers, bytes(answer.body or b""))
+
+    # --- OpenAI routes ----------------------------------------------------------------
+
+    async def models(self, request: HttpRequest) -> HttpResponse:
+        return HttpResponse.json(200, {"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: HttpRequest, model: str) -> HttpResponse:
+        if model != self.frontend.config.model_name:
+            raise OpenAIError(404, f"The model {model!r} does not exist", code="model_not_found")
+        return HttpResponse.json(200, self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        name = self.frontend.config.model_name
+        return {"id": name, "object": "model", "created": 0, "owned_by": "wsinfer"}
+
+    async def chat_completions(self, request: HttpRequest) -> HttpResponse:
+        config = self.frontend.config
+        session = request.headers.get(SESSION_HEADER)
+        token = request.headers.get(TOKEN_HEADER)
+        chat = parse_chat_request(request.body, config.limits, config.model_name, session, token)
+        peer = self._open_peer()
+        try:
+            await peer.handlers.generate(chat.generate)
+        except BaseException:
+            self._close_peer(peer)
+            raise
+        accepted = peer.accepted()
+        completion = Completion(
+            accepted["session"], accepted["turn"], config.model_name, int(time.time())
+        )
+        headers = [(TOKEN_HEADER, accepted["token"]), *_turn_headers(completion)]
+        if chat.stream:
+            return self._sse_response(peer, completion, headers, chat.include_usage, after=0)
+        try:
+            return await self._whole(peer, completion, headers)
+        finally:
+            self._close_peer(peer)
+
+    async def _whole(
+        self, peer: HttpPeer, completion: Completion, headers: list[tuple[str, str]]
+    ) -> HttpResponse:
+        """Wait for the turn's ``done`` (through pauses: a paused turn may be resumed)."""
+        text: list[str] = []
+        while True:
+            for message in await peer.messages(KEEPALIVE_S):
+                if message["type"] == "delta":
+                    text.append(message["text"])
+                elif message["type"] == "done" and message["finish_reason"] == "error":
+                    return error_response(turn_error(message), headers)
+                elif message["type"] == "done":
+                    return HttpResponse.json(200, completion.whole("".join(text), message), headers)
+
+    def _sse_response(
+        self,
+        peer: HttpPeer,
+        completion: Completion,
+        headers: list[tuple[str, str]],
+        include_usage: bool,
+        after: int,
+    ) -> HttpResponse:
+        head = [("Content-Type", "text/event-stream; charset=utf-8"), ("Cache-Control", "no-store")]
+        head.append(("X-Accel-Buffering", "no"))  # nginx: pass each event on at once
+        return HttpResponse(
+            200,
+            [*head, *headers],
+            stream=self._events(peer, completion, include_usage, after),
+            cleanup=lambda: self._close_peer(peer),
+        )
+
+    async def _events(
+        self, peer: HttpPeer, completion: Completion, include_usage: bool, after: int
+    ) -> AsyncIterator[bytes]:
+        if after == 0:
+            yield sse(completion.chunk({"role": "assistant", "content": ""}), 0)
+        while True:
+            messages = await peer.messages(KEEPALIVE_S)
+            if not messages:
+                yield b": keep-alive\n\n"
+            for message in messages:
+                data = sse_for(completion, message, include_usage)
+                if data:
+                    yield data
+                if message["type"] in ("done", "error"):
+                    return
+
+    # --- session routes -----------------------------------------------------------------
+
+    async def stream(self, request: HttpRequest, session: str) -> HttpResponse:
+        """Resume: the turn's deltas after ``Last-Event-ID``, then live (a paused turn goes on)."""
+        token = _session_token(request)
+        after = _non_negative(
+            request.headers.get("Last-Event-ID") or request.query.get("after"), "Last-Event-ID"
+        )
+        wanted = request.query.get("turn")
+        info = await self.frontend.store.info(session, token)
+        turn = _non_negative(wanted, "turn") if wanted else info.turn
+        if turn < 1:
+            raise bad_request("turn must be a positive integer", "turn")
+        peer = self._open_peer()
+        try:
+            await peer.handlers.resume(Resume(None, session, token, after, turn))
+        except BaseException:
+            self._close_peer(peer)
+            raise
+        completion = Completion(session, turn, self.frontend.config.model_name, int(time.time()))
+        include_usage = request.query.get("include_usage", "").lower() in ("1", "true")
+        return self._sse_response(peer, completion, _turn_headers(completion), include_usage, after)
+
+    async def info(self, request: HttpRequest, session: str) -> HttpResponse:
+        info = await self.frontend.store.info(session, _session_token(request))
+        return HttpResponse.json(200, _info_body(info.session, info.turn, info.status, info.seq))
+
+    async def delete(self, request: HttpRequest, session: str) -> HttpResponse:
+        command = SessionCommand("close", None, session, _session_token(request))
+        peer = self._open_peer()
+        try:
+            await peer.handlers.close(command)
+        finally:
+            self._close_peer(peer)
+        return HttpResponse.json(200, {"id": session, "object": "session", "deleted": True})
+
+    async def control(self, request: HttpRequest, session: str, action: str) -> HttpResponse:
+        token = _session_token(request)
+        if action == "resume":
+            return await self._unpause(session, token)
+        peer = self._open_peer()
+        try:
+            await peer.handlers.control(SessionCommand(action, None, session, token))
+            outcome = await _outcome(peer, CONTROL_WAIT_S)
+        finally:
+            self._close_peer(peer)
+        if outcome is None:  # the engine has not acted on it yet; it will
+            return HttpResponse.json(202, {"session": session, "status": f"{action}_requested"})
+        status = Status.PAUSED.value if outcome["type"] == "paused" else Status.DONE.value
+        body = _info_body(session, outcome["turn"], status, outcome["seq"])
+        if "finish_reason" in outcome:
+            body["finish_reason"] = outcome["finish_reason"]
+        return HttpResponse.json(200, body)
+
+    async def _unpause(self, session: str, token: str) -> HttpResponse:
+        """Continue a paused turn without attaching (the GET .../stream attaches)."""
+        store = self.frontend.store
+        info = await store.info(session, token)
+        status = info.status
+        if status == Status.PAUSED.value:
+            status = (await store.control(session, token, info.turn, "resume")).status
+        return HttpResponse.json(200, _info_body(session, info.turn, status, info.seq))
+
+    # --- peers ------------------------------------------------------------------------
+
+    def _open_peer(self) -> HttpPeer:
+        peer = HttpPeer(self.frontend)
+        self.peers.add(peer)
+        return peer
+
+    def _close_peer(self, peer: HttpPeer) -> None:
+        peer.close()
+        self.peers.discard(peer)
+
+
+async def _outcome(peer: HttpPeer, timeout: float) -> dict[str, Any] | None:
+    """The ``paused`` or ``done`` a stop or pause leads to, if it comes in time."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        for message in await peer.messages(left):
+            if message["type"] in ("paused", "done"):
+                return message
+    return None
+
+
+def error_response(exc: OpenAIError, headers: list[tuple[str, str]] | None = None) -> HttpResponse:
+    extra = [*exc.headers(), *(headers or [])]
+    if exc.status == 401:
+        extra.append(("WWW-Authenticate", "Bearer"))
+    return HttpResponse.json(exc.status, exc.body(), extra)
+
+
+def _turn_headers(completion: Completion) -> list[tuple[str, str]]:
+    return [(SESSION_HEADER, completion.session), (TURN_HEADER, str(completion.turn))]
+
+
+def _info_body(session: str, turn: int, status: str, seq: int) -> dict[str, Any]:
+    return {"session": session, "turn": turn, "status": status, "seq": seq}
+
+
+def _session_token(request: HttpRequest) -> str:
+    """The session's resume token: a header, or a query parameter for ``EventSource``."""
+    token = request.headers.get(TOKEN_HEADER) or request.query.get("session_token")
+    if not token:
+        raise bad_request(f"the {TOKEN_HEADER} header (or ?session_token=) is required")
+    return token
+
+
+def _non_negative(value: str | None, name: str) -> int:
+    if value is None or value == "":
+        return 0
+    if not value.isdigit():
+        raise bad_request(f"{name} must be a non-negative integer", name)
+    return int(value)

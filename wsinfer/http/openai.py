@@ -1,0 +1,318 @@
+"""The OpenAI chat-completions dialect, sans I/O: requests in, JSON and SSE bytes out.
+
+A request body is translated into the WebSocket protocol's ``generate`` map and
+validated by the same parser (``wsinfer.messages``), so both doors accept and
+refuse exactly the same turns; only the names and the error shapes differ.
+Errors leave as ``OpenAIError``: an HTTP status plus OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` body.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from wsinfer.errors import WsinferError
+from wsinfer.messages import Generate, Limits, parse_client_message
+
+OBJECT_CHUNK = "chat.completion.chunk"
+
+# Protocol error code -> HTTP status; the OpenAI SDKs pick their exception by status.
+STATUS_BY_CODE = {
+    "bad_request": 400,
+    "too_large": 400,  # too much content is OpenAI's 400 (context too long), not 413
+    "unauthorized": 401,
+    "not_found": 404,
+    "conflict": 409,
+    "overloaded": 429,
+    "internal": 500,
+    "engine_unavailable": 503,
+}
+
+# Accepted and ignored: they change nothing about the tokens we produce.
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+# Accepted only at the value that means "feature off".
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+}
+# OpenAI name -> wsinfer params name; top_k and repetition_penalty are extensions (as in vLLM).
+_PARAMS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class OpenAIError(Exception):
+    """A refused request, as OpenAI reports it."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    @property
+    def type(self) -> str:
+        if self.status == 429:
+            return "rate_limit_error"
+        return "server_error" if self.status >= 500 else "invalid_request_error"
+
+    def body(self) -> dict[str, Any]:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": error}
+
+    def headers(self) -> list[tuple[str, str]]:
+        if self.retry_after is None and self.status not in (429, 503):
+            return []
+        # Retry-After takes whole seconds; never tell a client to retry at once.
+        return [("Retry-After", str(max(1, math.ceil(self.retry_after or 1))))]
+
+    @classmethod
+    def from_wsinfer(cls, exc: WsinferError) -> OpenAIError:
+        status = STATUS_BY_CODE.get(exc.code, 500)
+        code = "invalid_api_key" if exc.code == "unauthorized" else exc.code
+        return cls(status, exc.message, code=code, retry_after=exc.retry_after)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "bad_request") -> OpenAIError:
+    return OpenAIError(400, message, code=code, param=param)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    generate: Generate
+    stream: bool
+    include_usage: bool
+
+
+def parse_chat_request(
+    body: bytes, limits: Limits, model: str, session: str | None, token: str | None
+) -> ChatRequest:
+    """Validate a ``POST /v1/chat/completions`` body as a ``generate`` of ``session``."""
+    data = _json_object(body)
+    _check_fields(data)
+    if data.get("model") != model:
+        raise OpenAIError(
+            404, f"The model {data.get('model')!r} does not exist; this server serves {model!r}",
+            code="model_not_found", param="model",
+        )  # fmt: skip
+    stream = _flag(data, "stream")
+    include_usage = _stream_options(data.get("stream_options"), stream)
+    generate: dict[str, Any] = {
+        "type": "generate",
+        "messages": _messages(data.get("messages")),
+        "params": _params(data),
+    }
+    if session is not None or token is not None:
+        generate.update(session=session, token=token)
+    try:
+        parsed = parse_client_message(generate, limits)
+    except WsinferError as exc:
+        raise OpenAIError.from_wsinfer(exc) from exc
+    assert isinstance(parsed, Generate)
+    return ChatRequest(parsed, stream, include_usage)
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    return data
+
+
+def _check_fields(data: dict[str, Any]) -> None:
+    known = {"model", "messages", "stream", "stream_options", "max_tokens"}
+    known |= {"max_completion_tokens", "response_format"} | set(_PARAMS)
+    for name in data:
+        if name in _OFF_VALUES:
+            if data[name] not in _OFF_VALUES[name]:
+                raise bad_request(f"{name}={data[name]!r} is not supported", name, "unsupported")
+        elif name not in known and name not in _IGNORED:
+            raise bad_request(f"Unrecognized request argument supplied: {name}", name)
+    response_format = data.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise bad_request("only response_format {type: text} is supported", "response_format")
+
+
+def _flag(data: dict[str, Any], name: str) -> bool:
+    value = data.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean", name)
+    return bool(value)
+
+
+def _stream_options(options: Any, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad_request("stream_options takes only include_usage", "stream_options")
+    return _flag(options, "include_usage")
+
+
+def _messages(raw: Any) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages must be a non-empty array", "messages")
+    return [_message(item, i) for i, item in enumerate(raw)]
+
+
+def _message(item: Any, index: int) -> dict[str, str]:
+    param = f"messages[{index}]"
+    if not isinstance(item, dict) or set(item) - {"role", "content", "name"}:
+        raise bad_request(f"{param} must be {{role, content}} (name allowed)", param)
+    raw_role = item.get("role")
+    role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
+    if role is None:
+        raise bad_request(f"{param}.role must be one of {sorted(_ROLES)}", f"{param}.role")
+    return {"role": role, "content": _content(item.get("content"), f"{param}.content")}
+
+
+def _content(content: Any, param: str) -> str:
+    """A string, or text parts joined (images and audio are refused)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "".join(str(t) for t in texts)
+    raise bad_request(f"{param} must be a string or a list of text parts", param)
+
+
+def _params(data: dict[str, Any]) -> dict[str, Any]:
+    params = {_PARAMS[k]: v for k, v in data.items() if k in _PARAMS and v is not None}
+    limit = data.get("max_completion_tokens")
+    if limit is None:
+        limit = data.get("max_tokens")
+    elif data.get("max_tokens") not in (None, limit):
+        raise bad_request("max_tokens and max_completion_tokens disagree", "max_tokens")
+    if limit is not None:
+        params["max_new_tokens"] = limit
+    return params
+
+
+# --- responses --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Names shared by every chunk of one turn (a resumed stream reuses them)."""
+
+    session: str
+    turn: int
+    model: str
+    created: int
+
+    @property
+    def id(self) -> str:
+        return f"chatcmpl-{self.session}-{self.turn}"
+
+    def chunk(self, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope(OBJECT_CHUNK, choices=[choice])
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return self._envelope(OBJECT_CHUNK, choices=[], usage=openai_usage(usage))
+
+    def whole(self, text: str, done: dict[str, Any]) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text, "refusal": None}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": done["finish_reason"],
+        }
+        return self._envelope(
+            "chat.completion", choices=[choice], usage=openai_usage(done["usage"])
+        )
+
+    def _envelope(self, kind: str, **fields: Any) -> dict[str, Any]:
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        return {**head, "system_fingerprint": None, **fields}
+
+
+def openai_usage(usage: dict[str, int]) -> dict[str, Any]:
+    prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": usage["cached_tokens"]},
+    }
+
+
+def turn_error(done: dict[str, Any]) -> OpenAIError:
+    """A turn that ended with ``finish_reason: error`` (the engine failed it)."""
+    error = done.get("error") or {}
+    return OpenAIError(
+        500, str(error.get("message", "the turn failed")), code=str(error.get("code", "internal"))
+    )
+
+
+def sse(data: dict[str, Any] | str, event_id: int | None = None) -> bytes:
+    """One Server-Sent Event; ``id`` is what ``Last-Event-ID`` sends back on reconnect."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}data: {text}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def sse_for(completion: Completion, message: dict[str, Any], include_usage: bool) -> bytes:
+    """The SSE bytes for one outgoing protocol message of a turn; b"" for none.
+
+    A delta's event id is its ``seq``, so ``Last-Event-ID`` is exactly the
+    WebSocket ``resume``'s ``after``. A pause is a comment: the stream stays
+    open and goes on when the turn is resumed. The end is ``data: [DONE]``.
+    """
+    kind = message["type"]
+    if kind == "delta":
+        return sse(completion.chunk({"content": message["text"]}), message["seq"])
+    if kind == "paused":
+        return f": paused at seq {message['seq']}\n\n".encode()
+    if kind == "error":
+        error = OpenAIError.from_wsinfer(_as_wsinfer(message))
+        return sse(error.body()) + SSE_DONE
+    if kind != "done":
+        return b""
+    if message["finish_reason"] == "error":
+        return sse(turn_error(message).body()) + SSE_DONE
+    out = sse(completion.chunk({}, message["finish_reason"]), message["seq"])
+    if include_usage:
+        out += sse(completion.usage_chunk(message["usage"]))
+    return out + SSE_DONE
+
+
+def _as_wsinfer(message: dict[str, Any]) -> WsinferError:
+    error = WsinferError(str(message["message"]), retry_after=message.get("retry_after"))
+    error.code = str(message["code"])
+    return error

@@ -1,0 +1,92 @@
+"""One HTTP request's view of a session: the WebSocket connection's parts, minus the socket.
+
+An ``HttpPeer`` owns a ``ConnectionProtocol`` (the exactly-once bookkeeping by
+``seq``, replay, coalescing of a lagging reader) and a ``Handlers`` (every Redis
+operation), exactly as a WebSocket connection does; the HTTP routes read the
+protocol's outgoing messages instead of sending them as frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from wsinfer.errors import BadRequest
+from wsinfer.handlers import Handlers
+from wsinfer.protocol import ConnectionProtocol
+from wsinfer.sessions.schema import TurnEvent
+
+if TYPE_CHECKING:
+    from wsinfer.server import Frontend
+
+log = structlog.get_logger("wsinfer.http")
+
+
+@dataclass(frozen=True)
+class _NoFrames:
+    """HTTP takes the protocol's messages as maps: encoding frames would be wasted work."""
+
+    subprotocol: str = field(default="http")
+
+    def encode(self, message: dict[str, Any]) -> str:
+        return ""
+
+    def decode(self, frame: str | bytes) -> Any:
+        raise BadRequest("an HTTP peer receives no frames")
+
+
+class HttpPeer:
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.id = f"http-{uuid.uuid4().hex[:12]}"
+        self.protocol = ConnectionProtocol(_NoFrames(), frontend.config.limits)
+        self.log = log.bind(conn=self.id)
+        self.handlers = Handlers(self)
+        self._wakeup = asyncio.Event()
+        self._held: list[dict[str, Any]] = []
+        # Never: a slow SSE reader holds one coalescing outbox (one turn, bounded by
+        # its length) and the HTTP writer waits on the transport's own flow control.
+        self.congested = False
+
+    def started_turn(self, session: str, turn: int) -> None:
+        """Nothing to time here: time to first byte is the HTTP client's to measure."""
+
+    def on_events(self, session: str, turn: int) -> Callable[[list[TurnEvent]], None]:
+        def deliver(events: list[TurnEvent]) -> None:
+            self.protocol.deliver(session, turn, events)
+            self._wakeup.set()
+
+        return deliver
+
+    def flush(self) -> None:
+        self._wakeup.set()
+
+    async def messages(self, timeout: float) -> list[dict[str, Any]]:
+        """What the protocol has to send now, waiting up to ``timeout`` ([] if nothing)."""
+        while True:
+            out = [*self._held, *(o.message for o in self.protocol.data_to_send())]
+            self._held = []
+            if out:
+                return out
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except asyncio.TimeoutError:
+                return []
+            self._wakeup.clear()
+
+    def accepted(self) -> dict[str, Any]:
+        """The ``session`` answer to the generate just handled (the rest is kept for later)."""
+        out = [o.message for o in self.protocol.data_to_send()]
+        first = next(m for m in out if m["type"] == "session")
+        self._held = [m for m in out if m is not first]
+        return first
+
+    def close(self) -> None:
+        """Stop following: generation goes on unwatched, as after a WebSocket disconnect."""
+        self.frontend.fanin.unsubscribe_all(lambda owner: owner[0] == self.id)  # type: ignore[index]
+        self.protocol.feeds.clear()
