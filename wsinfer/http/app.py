@@ -266,7 +266,10 @@ class HttpApp:
         peer = self._open_peer()
         try:
             await peer.handlers.control(SessionCommand(action, None, session, token))
-            outcome = await _outcome(peer, CONTROL_WAIT_S)
+            # A stop ends in done; a pause in paused, or done if the turn ended first.
+            # (The replay may show an older pause of a turn resumed since: not the answer.)
+            wanted = ("done",) if action == "stop" else ("paused", "done")
+            outcome = await _outcome(peer, wanted, CONTROL_WAIT_S)
         finally:
             self._close_peer(peer)
         if outcome is None:  # the engine has not acted on it yet; it will
@@ -298,12 +301,14 @@ class HttpApp:
         self.peers.discard(peer)
 
 
-async def _outcome(peer: HttpPeer, timeout: float) -> dict[str, Any] | None:
-    """The ``paused`` or ``done`` a stop or pause leads to, if it comes in time."""
+async def _outcome(
+    peer: HttpPeer, wanted: tuple[str, ...], timeout: float
+) -> dict[str, Any] | None:
+    """The message a stop or pause leads to, if it comes in time."""
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         for message in await peer.messages(left):
-            if message["type"] in ("paused", "done"):
+            if message["type"] in wanted:
                 return message
     return None
 

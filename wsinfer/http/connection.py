@@ -29,6 +29,8 @@ log = structlog.get_logger("wsinfer.http")
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 # Keep-alive: a connection idle this long between requests is closed.
 IDLE_TIMEOUT_S = 75.0
+# After refusing a request, how long its unread body is drained before closing.
+LINGER_S = 2.0
 # A request head or body that takes longer than this is refused.
 READ_TIMEOUT_S = 30.0
 
@@ -102,6 +104,8 @@ class HttpConnection(asyncio.Protocol):
         self._writable = asyncio.Event()
         self._writable.set()
         self._lost = False
+        self._discarding = False  # after refusing a request whose body is still coming
+        self._eof = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -111,17 +115,22 @@ class HttpConnection(asyncio.Protocol):
     # --- asyncio.Protocol -------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return
         self.h11.receive_data(data)
         self._readable.set()
 
     def eof_received(self) -> bool:
-        self.h11.receive_data(b"")
-        self._readable.set()
+        self._eof.set()
+        if not self._discarding:
+            self.h11.receive_data(b"")
+            self._readable.set()
         return True  # half-open: a response may still be on its way
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self._writable.set()
+        self._eof.set()
         if self.task is not None and not self.task.done():
             self.task.cancel()
 
@@ -222,6 +231,16 @@ class HttpConnection(asyncio.Protocol):
         response.headers.append(("Connection", "close"))
         with contextlib.suppress(h11.LocalProtocolError):
             await self._respond(response)
+        await self._linger()
+
+    async def _linger(self) -> None:
+        """Read and drop what the client is still sending before closing: closing a
+        socket with unread data resets it, and the client would never see our answer."""
+        self._discarding = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._eof.wait(), LINGER_S)
 
     def _write(self, event: Any) -> None:
         data = self.h11.send(event)

@@ -116,7 +116,9 @@ def parse_chat_request(
     """Validate a ``POST /v1/chat/completions`` body as a ``generate`` of ``session``."""
     data = _json_object(body)
     _check_fields(data)
-    if data.get("model") != model:
+    if not isinstance(data.get("model"), str):
+        raise bad_request("you must provide a model parameter (a string)", "model")
+    if data["model"] != model:
         raise OpenAIError(
             404, f"The model {data.get('model')!r} does not exist; this server serves {model!r}",
             code="model_not_found", param="model",

