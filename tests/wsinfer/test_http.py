@@ -471,3 +471,16 @@ async def test_malformed_http_is_400(
     writer.write(b"NOT HTTP AT ALL\r\n\r\n")
     assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 400")
     writer.close()
+
+
+def test_the_ttft_benchmark_runs_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_http.py"
+    spec = importlib.util.spec_from_file_location("bench_http", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--model", "tiny", "--runs", "1", "--tokens", "2"])
+    out = capsys.readouterr().out
+    assert "| WebSocket (`delta`) |" in out and "| HTTP SSE (`chat.completion.chunk`) |" in out
