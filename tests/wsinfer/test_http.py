@@ -415,23 +415,20 @@ async def test_a_busy_turn_is_a_conflict(http: httpx.AsyncClient) -> None:
 async def test_overloaded_is_429_and_no_engine_is_503_with_retry_after(
     serve: tuple[int, Path], redis_url: str
 ) -> None:
-    sockets = list(serve[1].glob("wsinfer-*/redis.sock"))
-    assert len(sockets) == 1
-    for url, config, status in (
-        (f"unix://{sockets[0]}", {"max_queued_turns": 0}, 429),  # shares the serve's engine
-        (redis_url, {}, 503),  # a Redis no engine has ever seen
-    ):
-        frontend = Frontend(FrontendConfig(port=0, redis_url=url, **config))
-        await frontend.start()
-        try:
-            async with httpx.AsyncClient(timeout=30) as client:
+    busy = await in_process_frontend(serve, max_queued_turns=0)  # shares the serve's engine
+    idle = Frontend(FrontendConfig(port=0, redis_url=redis_url))  # a Redis no engine has seen
+    await idle.start()
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            for frontend, status in ((busy, 429), (idle, 503)):
                 base = f"http://127.0.0.1:{frontend.port}"
                 response = await client.post(f"{base}/v1/chat/completions", json=GREEDY)
                 assert response.status_code == status
                 assert int(response.headers["retry-after"]) >= 1
                 assert_openai_error(response, None)
-        finally:
-            await frontend.stop()
+    finally:
+        await busy.stop()
+        await idle.stop()
 
 
 # --- one port ---------------------------------------------------------------------------------
@@ -484,3 +481,48 @@ def test_the_ttft_benchmark_runs_on_the_tiny_model(capsys: pytest.CaptureFixture
     module.main(["--model", "tiny", "--runs", "1", "--tokens", "2"])
     out = capsys.readouterr().out
     assert "| WebSocket (`delta`) |" in out and "| HTTP SSE (`chat.completion.chunk`) |" in out
+
+
+async def in_process_frontend(serve: tuple[int, Path], **config: Any) -> Frontend:
+    """A frontend of this test's own on the serve's Redis (so it shares its engine)."""
+    (socket,) = serve[1].glob("wsinfer-*/redis.sock")
+    frontend = Frontend(FrontendConfig(port=0, redis_url=f"unix://{socket}", **config))
+    await frontend.start()
+    return frontend
+
+
+async def test_a_vanished_sse_client_leaves_nothing_followed(serve: tuple[int, Path]) -> None:
+    frontend = await in_process_frontend(serve)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{frontend.port}") as http:
+            body = {**GREEDY, "max_tokens": 4000, "stream": True}
+            request = http.build_request("POST", "/v1/chat/completions", json=body)
+            response = await http.send(request, stream=True)
+            await read_until(response, 700)
+            assert len(frontend.http.peers) == 1 and frontend.fanin.owners
+            await response.aclose()
+            for _ in range(100):
+                if not frontend.http.peers and not frontend.fanin.owners:
+                    break
+                await asyncio.sleep(0.05)
+            assert not frontend.http.peers and not frontend.fanin.owners
+            stop = f"/v1/sessions/{response.headers['x-wsinfer-session']}/stop"
+            await http.post(stop, headers={"X-Wsinfer-Token": response.headers["x-wsinfer-token"]})
+    finally:
+        await frontend.stop()
+
+
+async def test_a_client_that_never_finishes_its_request_head_is_dropped(
+    serve: tuple[int, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wsinfer.http import door
+
+    monkeypatch.setattr(door, "HEAD_TIMEOUT_S", 0.3)
+    frontend = await in_process_frontend(serve)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+    finally:
+        await frontend.stop()
