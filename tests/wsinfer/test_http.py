@@ -480,7 +480,8 @@ def test_the_ttft_benchmark_runs_on_the_tiny_model(capsys: pytest.CaptureFixture
     spec.loader.exec_module(module)
     module.main(["--model", "tiny", "--runs", "1", "--tokens", "2"])
     out = capsys.readouterr().out
-    assert "| WebSocket (`delta`) |" in out and "| HTTP SSE (`chat.completion.chunk`) |" in out
+    assert "| WebSocket (`session`, then `delta`) |" in out
+    assert "| HTTP SSE (`chat.completion.chunk`) |" in out
 
 
 async def in_process_frontend(serve: tuple[int, Path], **config: Any) -> Frontend:
