@@ -365,6 +365,13 @@ async def test_bad_requests_beyond_the_body(http: httpx.AsyncClient) -> None:
     assert missing_key.status_code == 401 and missing_key.headers["www-authenticate"] == "Bearer"
     assert_openai_error(missing_key, "invalid_api_key")
     await bare.aclose()
+    foreign = await http.post(
+        "/v1/chat/completions", json=GREEDY, headers={"Origin": "https://evil.example"}
+    )
+    assert foreign.status_code == 403
+    assert_openai_error(foreign, "forbidden")
+    local = {"Origin": f"{http.base_url}".rstrip("/")}  # the server's own pages may
+    assert (await http.get("/v1/models", headers=local)).status_code == 200
     stranger = {"X-Wsinfer-Session": "0" * 32, "X-Wsinfer-Token": "nope"}
     cases = [
         (await http.post("/v1/chat/completions", json=GREEDY, headers=stranger), 404),

@@ -31,6 +31,7 @@ from wsinfer.http.openai import (
     turn_error,
 )
 from wsinfer.http.peer import HttpPeer
+from wsinfer.limits import origin_allowed
 from wsinfer.messages import Resume, SessionCommand
 from wsinfer.sessions.states import Status
 
@@ -119,9 +120,16 @@ class HttpApp:
                 continue
             if request.method not in methods:
                 raise OpenAIError(405, f"{request.method} is not allowed on {path}", code="method")
+            self._check_origin(request)
             self._authorize(request)
             return await methods[request.method](request, **match.groupdict())
         raise OpenAIError(404, f"no route {path}", code="not_found")
+
+    def _check_origin(self, request: HttpRequest) -> None:
+        """As for WebSockets: a web page elsewhere must not drive this server."""
+        headers, allowed = request.headers, self.frontend.config.allowed_origins
+        if not origin_allowed(headers.get("Origin"), headers.get("Host"), allowed):
+            raise OpenAIError(403, "origin not allowed (see --allowed-origin)", code="forbidden")
 
     def _authorize(self, request: HttpRequest) -> None:
         if not self.frontend._authorized(Request(request.target, request.headers)):

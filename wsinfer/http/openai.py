@@ -24,6 +24,7 @@ STATUS_BY_CODE = {
     "bad_request": 400,
     "too_large": 400,  # too much content is OpenAI's 400 (context too long), not 413
     "unauthorized": 401,
+    "forbidden": 403,
     "not_found": 404,
     "conflict": 409,
     "overloaded": 429,
