@@ -22,13 +22,16 @@ import structlog
 
 from wsinfer.engine.core import EngineConfig, EngineRequest, RequestOutput, build_core
 from wsinfer.engine.defaults import default_dtype, resolve_device
-from wsinfer.engine.model import LoadedModel, load_model
+from wsinfer.engine.fake import FakeLoaded, fake_engine, is_fake
+from wsinfer.engine.metrics import EngineMetrics
+from wsinfer.engine.model import LoadedModel, ModelLoadError, load_model
 from wsinfer.engine.outage import OutageGuard
 from wsinfer.engine.prompts import render_chat, render_text
 from wsinfer.sessions.connection import sync_client
 from wsinfer.sessions.schema import DeltaEvent, DoneEvent, PausedEvent, TurnEvent, Usage
 from wsinfer.sessions.store import DEFAULT_SESSION_TTL_S
 from wsinfer.sessions.worker import ClaimedTurn, Publish, TurnHistory, WorkerStore, WorkItem
+from wsinfer.startup import StartupError, require_redis, serve_metrics
 
 log = structlog.get_logger("wsinfer.engine")
 
@@ -45,6 +48,8 @@ class ProcessConfig:
     idle_block_ms: int = 1000
     drain: bool = False  # exit once there is no more work (tests, batch jobs)
     exit_with_parent: bool = False
+    metrics_port: int | None = None  # serve /metrics here (0: any free port)
+    metrics_host: str = "127.0.0.1"
 
 
 @dataclass
@@ -61,12 +66,19 @@ class ActiveTurn:
 
 class EngineProcess:
     def __init__(
-        self, core: Any, loaded: LoadedModel, store: WorkerStore, config: ProcessConfig
+        self,
+        core: Any,
+        loaded: LoadedModel | FakeLoaded,
+        store: WorkerStore,
+        config: ProcessConfig,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.core = core
         self.loaded = loaded
         self.store = store
         self.config = config
+        self.metrics = metrics or EngineMetrics(engine_id=config.engine_id)
+        self.metrics.attach(core, loaded.name, str(loaded.device))
         self.active: dict[str, ActiveTurn] = {}
         self.discard: set[str] = set()  # aborted because the turn is no longer ours
         self._stopping = False
@@ -138,12 +150,12 @@ class EngineProcess:
                 self.store.ack(item)  # stale or duplicate: nothing to run
                 continue
             try:
-                self._start(item, claimed)
+                self._start(item, claimed, takeover)
             except Exception as exc:  # a broken turn must not take the engine down
                 log.exception("cannot start turn", session=claimed.session, turn=claimed.turn)
                 self._fail(item, claimed, exc)
 
-    def _start(self, item: WorkItem, claimed: ClaimedTurn) -> None:
+    def _start(self, item: WorkItem, claimed: ClaimedTurn, takeover: bool = False) -> None:
         session, turn = claimed.session, claimed.turn
         history = self.store.load_history(session, turn)
         prompt_ids = self.store.load_prompt(session, turn)
@@ -166,13 +178,19 @@ class EngineProcess:
         )
         if claimed.control in ("stop", "pause"):
             self.core.abort(request_id, pause=claimed.control == "pause")
+        context = len(prompt_ids) + len(generated)
+        self.metrics.turn_started(
+            request_id, context_tokens=context, resumed_at=seq, takeover=takeover
+        )
+        # A takeover is rare and worth a look; a resumed or next turn is not one.
+        flag = {"takeover": True} if takeover else {}
         log.info(
             "turn started",
             session=session,
             turn=turn,
             resumed_at=seq,
             prompt_tokens=len(prompt_ids),
-            takeover=claimed.epoch > 1,
+            **flag,
         )
 
     def _render(self, history: TurnHistory) -> list[int]:
@@ -202,6 +220,8 @@ class EngineProcess:
         )
         self.store.ack(item)
         self.active.pop(f"{claimed.session}:{claimed.turn}", None)
+        self.metrics.forget(f"{claimed.session}:{claimed.turn}")
+        self.metrics.finished.labels(finished_reason="error").inc()
 
     # --- between steps -------------------------------------------------------------
 
@@ -236,8 +256,10 @@ class EngineProcess:
             self.core.drop_cache(turn.session)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = self.core.step()
+            self.metrics.step(outputs, time.perf_counter() - started)
         except Exception as exc:
             # A fault in the model must end its turns with an error the client
             # sees, not hang them: fail everything running and carry on.
@@ -303,6 +325,7 @@ class EngineProcess:
         if outcome != "ok":
             # fenced (taken over), not_found (closed) or illegal: stop running it.
             log.warning("turn lost", session=turn.session, turn=turn.turn, outcome=outcome)
+            self.metrics.forget(request_id)
             if item.final_action is None:
                 gone = outcome == "not_found"
                 self._drop(request_id, forget_cache=gone, ack=outcome != "fenced")
@@ -311,6 +334,8 @@ class EngineProcess:
             return
         if item.final_action is not None:
             self.store.ack(turn.work)
+            cached = int(item.fields.get("cached_tokens", 0))
+            self.metrics.turn_ended(request_id, item.events[-1], cached)
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -339,22 +364,39 @@ def run_engine(
     config: ProcessConfig | None = None,
     core_config: EngineConfig | None = None,
 ) -> None:
-    """Load the model, then serve turns from Redis until stopped."""
+    """Check Redis and the metrics port, load the model, then serve turns until stopped.
+
+    Start-up problems raise ``StartupError`` before the (slow) model load."""
     config = config or ProcessConfig()
-    device, dtype = resolve_device(device), default_dtype(device, dtype)
+    require_redis(redis_url)  # before anything slow: one clear line if it is not there
+    metrics = EngineMetrics(engine_id=config.engine_id)
+    if config.metrics_port is not None:
+        port = serve_metrics(metrics, config.metrics_host, config.metrics_port)
+        log.info("engine metrics", url=f"http://{config.metrics_host}:{port}/metrics")
+    core_config = core_config or EngineConfig(max_batch_size=config.max_batch_size)
+    if not is_fake(model_spec):
+        device, dtype = resolve_device(device), default_dtype(device, dtype)
     log.info("loading model", model=model_spec or "default", device=device, dtype=dtype)
     started = time.monotonic()
-    loaded = load_model(model_spec, device=device, dtype=dtype)
+    core: Any
+    loaded: LoadedModel | FakeLoaded
+    if is_fake(model_spec):
+        core, loaded = fake_engine(str(model_spec), core_config)
+    else:
+        try:
+            loaded = load_model(model_spec, device=device, dtype=dtype)
+        except ModelLoadError as exc:
+            raise StartupError(str(exc)) from None
     log.info("model loaded", model=loaded.name, seconds=round(time.monotonic() - started, 1))
-    core_config = core_config or EngineConfig(max_batch_size=config.max_batch_size)
-    started = time.monotonic()
-    core = build_core(loaded, core_config)
-    log.info(
-        "engine core ready",
-        core=type(core).__name__,
-        max_batch_size=core_config.max_batch_size,
-        seconds=round(time.monotonic() - started, 1),
-        graph_capture_seconds=round(getattr(core, "graph_capture_seconds", 0.0), 1),
-    )
+    if isinstance(loaded, LoadedModel):
+        started = time.monotonic()
+        core = build_core(loaded, core_config)
+        log.info(
+            "engine core ready",
+            core=type(core).__name__,
+            max_batch_size=core_config.max_batch_size,
+            seconds=round(time.monotonic() - started, 1),
+            graph_capture_seconds=round(getattr(core, "graph_capture_seconds", 0.0), 1),
+        )
     store = WorkerStore(sync_client(redis_url), config.engine_id, ttl_s=config.session_ttl_s)
-    EngineProcess(core, loaded, store, config).run()
+    EngineProcess(core, loaded, store, config, metrics).run()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -140,3 +141,54 @@ def joined(messages: list[dict[str, Any]], after: int = 0) -> tuple[str, int]:
             text += message["text"]
             seq = message["seq"]
     return text, seq
+
+
+@dataclass
+class Logged:
+    """A ``wsinfer`` process whose stdout and stderr go to files a test can read."""
+
+    process: subprocess.Popen[bytes]
+    stdout: Path
+    stderr: Path
+
+    @classmethod
+    def spawn(cls, folder: Path, name: str, *args: str) -> Logged:
+        out, err = folder / f"{name}.out", folder / f"{name}.err"
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "wsinfer", *args],
+                stdout=stdout,
+                stderr=stderr,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        return cls(process, out, err)
+
+    def lines(self) -> list[str]:
+        text = self.stdout.read_text() + self.stderr.read_text()
+        return [line for line in text.splitlines() if line.strip()]
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every line as JSON (fails the test on a line that is not)."""
+        return [json.loads(line) for line in self.lines()]
+
+    def wait_for(self, event: str, timeout_s: float = 60, **fields: Any) -> dict[str, Any]:
+        """The first JSON log record with this event (and these fields)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in self.lines():
+                record = json.loads(line) if line.startswith("{") else {}
+                if record.get("event") == event and fields.items() <= record.items():
+                    return dict(record)
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exited with {self.process.returncode}: {self.lines()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"no {event!r} in {self.lines()}")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()

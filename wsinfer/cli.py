@@ -32,11 +32,36 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _log_level(text: str) -> str:
+    from wsinfer.logs import parse_level
+
+    try:
+        return parse_level(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _model_spec(text: str) -> str:
+    from wsinfer.engine.fake import FakeSpec, FakeSpecError, is_fake
+
+    if is_fake(text):
+        try:
+            FakeSpec.parse(text)
+        except FakeSpecError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-format", choices=["console", "json"], default=_env("LOG_FORMAT", "console")
     )
-    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=_env("LOG_LEVEL", "info"),
+        help="debug, info, warning, error or critical",
+    )
 
 
 def _add_frontend(parser: argparse.ArgumentParser) -> None:
@@ -96,8 +121,10 @@ def _add_sessions(parser: argparse.ArgumentParser) -> None:
 def _add_engine(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
+        type=_model_spec,
         default=_env("MODEL"),
-        help="local transformers dir or .gguf file (default: SmolLM2-135M-Instruct)",
+        help="local transformers dir or .gguf file (default: SmolLM2-135M-Instruct); "
+        "fake:TOKENS_PER_S[:stamp] for a model-free load-test engine",
     )
     parser.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda, cuda:N, auto")
     parser.add_argument(
@@ -147,6 +174,15 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=_env_flag("KV_OFFLOAD_CPU"),
         help="keep those caches in host memory instead of on the GPU",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env("METRICS_PORT"),
+        help="serve the engine's Prometheus /metrics on this port (0: any free port)",
+    )
+    parser.add_argument(
+        "--metrics-host", default=_env("METRICS_HOST", "127.0.0.1"), help="address for it"
     )
     parser.add_argument(
         "--threads",
@@ -243,6 +279,8 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     for flag in ("max_batch_size", "kv_pool_mb", "max_model_len"):
         value = getattr(args, flag)
         argv += [f"--{flag.replace('_', '-')}", str(value)] if value is not None else []
+    if args.metrics_port is not None:
+        argv += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host]
     return argv + (["--model", args.model] if args.model else [])
 
 
@@ -254,13 +292,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_frontend(args: argparse.Namespace) -> int:
+    from wsinfer.logs import announce
     from wsinfer.server import Frontend
+    from wsinfer.startup import start_frontend
 
     async def main() -> None:
         frontend = Frontend(_frontend_config(args, args.redis_url))
-        server = await frontend.start()
-        print(f"wsinfer: frontend on ws://{args.host}:{frontend.port}/v1/ws", flush=True)
         try:
+            server = await start_frontend(frontend)
+            url = f"ws://{args.host}:{frontend.port}/v1/ws"
+            announce(f"wsinfer: frontend on {url}", url=url)
             await server.serve_forever()
         finally:
             await frontend.stop()
@@ -284,6 +325,8 @@ def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         session_ttl_s=args.session_ttl,
         drain=args.drain,
         exit_with_parent=args.exit_with_parent,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
     if args.engine_id:
         config.engine_id = args.engine_id
@@ -301,7 +344,9 @@ def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def run_engine_command(args: argparse.Namespace) -> int:
     from wsinfer.engine.process import run_engine
+    from wsinfer.logs import route_library_logs
 
+    route_library_logs()
     config, core_config = engine_configs(args)
     if args.threads > 0:
         import torch
@@ -325,10 +370,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return chat.run(args)
     from wsinfer.logs import configure_logging
+    from wsinfer.startup import StartupError
 
     configure_logging(args.log_format, args.log_level)
     runners = {"serve": run_serve, "frontend": run_frontend, "engine": run_engine_command}
-    return runners[args.command](args)
+    try:
+        return runners[args.command](args)
+    except StartupError as exc:  # one line an operator can act on, no traceback
+        import structlog
+
+        structlog.get_logger("wsinfer").error(str(exc))
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from wsinfer.errors import NotFound, Overloaded
 from wsinfer.messages import ClientMessage, Generate, Resume, SessionCommand
 from wsinfer.sessions import keys
+from wsinfer.sessions.schema import DeltaEvent
 from wsinfer.sessions.states import IllegalTransition, Status
 from wsinfer.sessions.store import TurnInput
 
@@ -66,6 +67,7 @@ class Handlers:
 
     async def resume(self, msg: Resume) -> None:
         self._check_follow_limit(msg.session)
+        self.frontend.metrics.resumes.inc()
         info = await self.store.info(msg.session, msg.token)
         turn = msg.turn if msg.turn is not None else info.turn
         if turn > info.turn:
@@ -88,6 +90,8 @@ class Handlers:
             self.protocol.unfollow(session)
             self.frontend.fanin.unsubscribe((self.conn.id, session))
             raise
+        replayed = sum(isinstance(e, DeltaEvent) and e.seq > after for e in events)
+        self.frontend.metrics.replayed.inc(replayed)
         self.protocol.replay(session, turn, events)
         if session in self.protocol.feeds:  # not yet done
             self._subscribe(session, turn, last_id)

@@ -1,25 +1,84 @@
-"""Prometheus metrics of one frontend process."""
+"""Prometheus metrics of one frontend process.
+
+Gauges that describe the connections (open sessions, queued bytes) are read
+from the live connections at scrape time, so they always agree with each
+other. The standard ``process_*``/``python_*`` series are included. Names end
+in ``_total``/``_seconds``/``_bytes`` as Prometheus asks; TTFT and end-to-end
+latency mirror vLLM's ``time_to_first_token_seconds`` and
+``e2e_request_latency_seconds`` as seen by the client.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# ``*_created`` samples double the exposition and no dashboard here reads them.
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TURN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+_RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+    def __init__(self, connections: Callable[[], Iterable[Any]] = tuple) -> None:
+        """``connections``: the live ``server.Connection`` objects, read at scrape time."""
+        self._connections = connections
+        self.registry = r = CollectorRegistry()
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
         self.connections = Gauge("wsinfer_connections", "Open WebSocket connections", registry=r)
+        self._define_live(r)
+        self._define_counters(r)
+        self._define_latency(r)
+
+    def _define_live(self, r: CollectorRegistry) -> None:
         self.active_sessions = Gauge(
             "wsinfer_active_sessions",
             "Sessions followed by a connection of this frontend",
             registry=r,
         )
+        self.active_sessions.set_function(self._followed_sessions)
+        Gauge(
+            "wsinfer_send_queue_bytes",
+            "Bytes written to client sockets but not yet sent, all connections",
+            registry=r,
+        ).set_function(lambda: sum(self._queued()))
+        Gauge(
+            "wsinfer_send_queue_max_bytes",
+            "The largest such backlog of one connection (a slow client)",
+            registry=r,
+        ).set_function(lambda: max(self._queued(), default=0))
+
+    def _define_counters(self, r: CollectorRegistry) -> None:
         self.turns = Counter("wsinfer_turns_started", "Turns accepted", registry=r)
         self.deltas = Counter("wsinfer_deltas_sent", "Delta messages sent", registry=r)
-        self.errors = Counter("wsinfer_errors", "Error messages sent", ["code"], registry=r)
+        self.refusals = Counter(
+            "wsinfer_refusals",
+            "Requests refused, by protocol error code (error messages, 401 at the handshake)",
+            ["code"],
+            registry=r,
+        )
+        self.resumes = Counter("wsinfer_resumes", "resume requests served", registry=r)
+        self.replayed = Counter(
+            "wsinfer_replayed_deltas", "Delta events replayed to resuming clients", registry=r
+        )
+
+    def _define_latency(self, r: CollectorRegistry) -> None:
         self.ttft = Histogram(
             "wsinfer_time_to_first_delta_seconds",
             "From accepting a generate to sending its first delta",
@@ -32,6 +91,74 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.turn_seconds = Histogram(
+            "wsinfer_e2e_turn_latency_seconds",
+            "From accepting a generate to sending its done, on the connection that started it",
+            buckets=_TURN_BUCKETS,
+            registry=r,
+        )
+        self.redis_rtt = Histogram(
+            "wsinfer_redis_rtt_seconds",
+            "Round-trip time of a PING to Redis (sampled every few seconds)",
+            buckets=_RTT_BUCKETS,
+            registry=r,
+        )
+
+    # --- read at scrape time ------------------------------------------------------
+
+    def _followed_sessions(self) -> int:
+        return len({s for conn in self._connections() for s in conn.protocol.feeds})
+
+    def _queued(self) -> list[int]:
+        sizes = []
+        for conn in self._connections():
+            transport = getattr(conn.ws, "transport", None)
+            sizes.append(transport.get_write_buffer_size() if transport is not None else 0)
+        return sizes
+
+    def clock(self) -> TurnClock:
+        return TurnClock(self)
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
+
+
+class TurnClock:
+    """One connection's view of its turns: TTFT, per-token latency, turn time.
+
+    Measured where the bytes leave (``sent`` is called for every message sent).
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        # (session, turn) -> (accepted at, last delta at, last seq, seen a delta)
+        self._turns: dict[tuple[str, int], tuple[float, float, int, bool]] = {}
+
+    def started(self, session: str, turn: int) -> None:
+        now = time.monotonic()
+        self._turns[(session, turn)] = (now, now, 0, False)
+
+    def sent(self, message: dict[str, Any]) -> None:
+        kind, metrics = message["type"], self.metrics
+        if kind == "delta":
+            metrics.deltas.inc()
+            self._delta(message)
+        elif kind == "error":
+            metrics.refusals.labels(code=message["code"]).inc()
+        elif kind == "done":  # a long-lived connection must not keep every turn's clock
+            clock = self._turns.pop((message["session"], message["turn"]), None)
+            if clock is not None:
+                metrics.turn_seconds.observe(time.monotonic() - clock[0])
+
+    def _delta(self, message: dict[str, Any]) -> None:
+        key = (message["session"], message["turn"])
+        clock = self._turns.get(key)
+        if clock is None:
+            return
+        now = time.monotonic()
+        accepted, last, seq, seen = clock
+        if not seen:
+            self.metrics.ttft.observe(now - accepted)
+        elif message["seq"] > seq:
+            self.metrics.inter_token.observe((now - last) / (message["seq"] - seq))
+        self._turns[key] = (accepted, now, message["seq"], True)

@@ -41,7 +41,7 @@ from wsinfer.http.door import front_door
 from wsinfer.limits import CapacityGate, LogThrottle, TokenBucket, origin_allowed
 from wsinfer.messages import SUBPROTOCOLS, Limits, codec_for
 from wsinfer.metrics import Metrics
-from wsinfer.protocol import ConnectionProtocol, Outgoing
+from wsinfer.protocol import ConnectionProtocol
 from wsinfer.sessions.connection import DEFAULT_POOL_SIZE, async_client
 from wsinfer.sessions.store import SessionStore
 
@@ -87,7 +87,7 @@ class Frontend:
             lambda: self.store.capacity(config.engine_heartbeat_s), config.max_queued_turns
         )
         self.fanin = FanIn(self.fanin_redis, self.id)
-        self.metrics = Metrics()
+        self.metrics = Metrics(lambda: self.connections)
         self.connections: set[Connection] = set()
         self.log_throttle = LogThrottle()
         self.http = HttpApp(self)  # plain HTTP on the same port (wsinfer/http/)
@@ -143,7 +143,7 @@ class Frontend:
             peers: list[Any] = [*self.connections, *self.http.peers]
             for conn in peers:
                 followed.update({s: f.turn for s, f in conn.protocol.feeds.items()})
-            self.metrics.active_sessions.set(len(followed))
+            await self._ping_redis()
             if not followed:
                 continue
             try:
@@ -153,6 +153,15 @@ class Frontend:
                 continue
             for session in gone:
                 self._session_lost(session)
+
+    async def _ping_redis(self) -> None:
+        """Sample the Redis round-trip time (a metric; failures show up elsewhere)."""
+        started = time.perf_counter()
+        try:
+            await self.redis.ping()
+        except aioredis.RedisError:
+            return
+        self.metrics.redis_rtt.observe(time.perf_counter() - started)
 
     def _session_lost(self, session: str) -> None:
         peers: list[Any] = [*self.connections, *self.http.peers]
@@ -174,11 +183,10 @@ class Frontend:
                 headers.get("Origin"), headers.get("Host"), self.config.allowed_origins
             ):
                 return _text(HTTPStatus.FORBIDDEN, "origin not allowed (see --allowed-origin)\n")
-            return (
-                None
-                if self._authorized(request)
-                else _text(HTTPStatus.UNAUTHORIZED, "bad or missing API key\n")
-            )
+            if self._authorized(request):
+                return None
+            self.metrics.refusals.labels(code="unauthorized").inc()
+            return _text(HTTPStatus.UNAUTHORIZED, "bad or missing API key\n")
         if path == "/healthz":
             return await self._healthz()
         if path == "/metrics":
@@ -235,7 +243,7 @@ class Connection:
         self.log = log.bind(conn=self.id)
         self.handlers = Handlers(self)
         self._wakeup = asyncio.Event()
-        self._turn_clock: dict[tuple[str, int], tuple[float, int, bool]] = {}
+        self.clock = frontend.metrics.clock()
         config = frontend.config
         self.bucket = TokenBucket(config.request_rate, max(1.0, 2 * config.request_rate))
         self.congested = False  # the client is not reading: sources are paused
@@ -297,7 +305,7 @@ class Connection:
             batch = self.protocol.data_to_send()
             self._unsent = sum(len(out.frame) for out in batch)
             for out in batch:
-                self._observe(out)
+                self.clock.sent(out.message)
                 await self.ws.send(out.frame)  # waits while the client does not read
                 self._unsent -= len(out.frame)
                 self._check_pressure()
@@ -320,28 +328,7 @@ class Connection:
                 fanin.resume((self.id, session))
 
     def started_turn(self, session: str, turn: int) -> None:
-        self._turn_clock[(session, turn)] = (time.monotonic(), 0, False)
-
-    def _observe(self, out: Outgoing) -> None:
-        """Metrics, measured where the bytes leave: TTFT and per-token latency."""
-        message, metrics = out.message, self.frontend.metrics
-        if message["type"] == "error":
-            metrics.errors.labels(code=message["code"]).inc()
-        if message["type"] == "done":  # a long-lived connection must not keep every turn's clock
-            self._turn_clock.pop((message["session"], message["turn"]), None)
-        if message["type"] != "delta":
-            return
-        metrics.deltas.inc()
-        key = (message["session"], message["turn"])
-        if key not in self._turn_clock:
-            return
-        now = time.monotonic()
-        since, seq, seen = self._turn_clock[key]
-        if not seen:
-            metrics.ttft.observe(now - since)
-        elif message["seq"] > seq:
-            metrics.inter_token.observe((now - since) / (message["seq"] - seq))
-        self._turn_clock[key] = (now, message["seq"], True)
+        self.clock.started(session, turn)
 
     def on_events(self, session: str, turn: int) -> Any:
         def deliver(events: list[Any]) -> None:

@@ -25,7 +25,9 @@ from pathlib import Path
 import redis
 import structlog
 
+from wsinfer.logs import announce as announce_line
 from wsinfer.server import Frontend, FrontendConfig
+from wsinfer.startup import start_frontend
 
 log = structlog.get_logger("wsinfer.serve")
 
@@ -224,7 +226,7 @@ async def serve_all(
     engine_argv: list[str],
     *,
     redis_url: str | None,
-    announce: Callable[[str], None] = print,
+    announce: Callable[..., None] = announce_line,
     ready_timeout_s: float = 600.0,
 ) -> int:
     """Returns the exit status: 0 after a signal, 1 when something could not go on."""
@@ -242,13 +244,14 @@ async def serve_all(
         checks.append(RedisSupervisor(embedded).check)
     frontend = Frontend(config)
     try:
+        await start_frontend(frontend)  # a busy port fails before an engine loads a model
         engine.start()
-        await frontend.start()
         if not await wait_for_engine(frontend, engine, ready_timeout_s):
             log.error("engine did not come up")
             return 1
         url = f"ws://{config.host}:{frontend.port}/v1/ws"
-        announce(f"wsinfer: serving on {url}  (chat page: http://{config.host}:{frontend.port}/)")
+        page = f"http://{config.host}:{frontend.port}/"
+        announce(f"wsinfer: serving on {url}  (chat page: {page})", url=url, chat_page=page)
         return 0 if await _until_signal(checks) else 1
     finally:
         await frontend.stop()

@@ -1,0 +1,314 @@
+"""A model-free engine core for load tests: tokens at a set rate per stream.
+
+``--model fake:RATE`` (``RATE`` tokens per second per stream, ``inf`` for as
+fast as the loop goes) runs ``FakeCore`` in place of ``EngineCore`` behind the
+real ``process.py``: the same Redis scripts, consumer group, leases, fan-in
+and WebSocket path carry its deltas, so a frontend can be loaded without a
+model or a GPU. ``fake:RATE:stamp`` makes each token's text its production
+time (`` <unix µs>``), so a client can measure publish-to-receive delay.
+
+The public API and outputs are ``EngineCore``'s: add / abort / step /
+has_unfinished / cached_length / drop_cache / num_running / num_waiting, and
+``RequestOutput``. Token ``i`` of a turn is always the same word, so a turn
+taken over from the token log continues the same text. ``max_new_tokens``
+and ``stop`` strings are honoured; the context never runs out. Finished and
+paused turns keep a nominal KV handle (token ids only) so resume and
+next-turn cache hits look like the real engine's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from wsinfer.engine.core import EngineRequest, RequestOutput
+from wsinfer.sessions.schema import FinishReason, Usage
+
+FAKE_PREFIX = "fake:"
+WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
+# Nominal size of one token's KV, so the cache metrics move like a small model's.
+FAKE_KV_BYTES_PER_TOKEN = 16 * 1024
+# A stream far behind its rate catches up over several steps, like a real
+# engine that emits one token per step, instead of one huge step.
+MAX_TOKENS_PER_STEP = 64
+
+
+class FakeSpecError(ValueError):
+    """A ``fake:`` model spec that cannot be parsed."""
+
+
+@dataclass(frozen=True)
+class FakeSpec:
+    tokens_per_s: float
+    stamp: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> FakeSpec:
+        parts = spec.removeprefix(FAKE_PREFIX).split(":")
+        try:
+            rate = float(parts[0])
+        except ValueError:
+            raise FakeSpecError(f"{spec!r}: expected fake:TOKENS_PER_S[:stamp]") from None
+        if not rate > 0 or math.isnan(rate):
+            raise FakeSpecError(f"{spec!r}: the rate must be a positive number (or inf)")
+        if parts[1:] not in ([], ["stamp"]):
+            raise FakeSpecError(f"{spec!r}: the only option is ':stamp'")
+        return cls(rate, stamp=parts[1:] == ["stamp"])
+
+
+def is_fake(spec: str | None) -> bool:
+    return spec is not None and spec.startswith(FAKE_PREFIX)
+
+
+class FakeTokenizer:
+    """Byte-level stand-in with the calls ``prompts.py`` makes."""
+
+    bos_token_id = None
+    eos_token_id = None
+    add_bos_token = False
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **_: Any) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return self.encode(text)
+
+
+@dataclass
+class FakeLoaded:
+    """What ``process.py`` reads of a ``LoadedModel``."""
+
+    name: str
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    device: str = "cpu"
+    max_context: int = 1 << 30
+
+
+@dataclass
+class _Stream:
+    request: EngineRequest
+    started: float  # monotonic time of add(): token k is due at started + k / rate
+    num_generated: int
+    emitted: int = 0  # tokens produced since add()
+    cached_tokens: int = 0
+    tail: str = ""  # recent text, to find stop strings that span tokens
+
+
+class _FakeStore:
+    """The retained-KV LRU, sized in nominal bytes: the same budget logic as ``KVStore``."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+
+    def put(self, key: str, token_ids: list[int]) -> bool:
+        self.drop(key)
+        size = len(token_ids) * FAKE_KV_BYTES_PER_TOKEN
+        if not token_ids or size > self.budget_bytes:
+            return False
+        self._entries[key] = token_ids
+        self.used_bytes += size
+        while self.used_bytes > self.budget_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.used_bytes -= len(evicted) * FAKE_KV_BYTES_PER_TOKEN
+        return key in self._entries
+
+    def take(self, key: str) -> list[int] | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.used_bytes -= len(entry) * FAKE_KV_BYTES_PER_TOKEN
+        return entry
+
+    def length(self, key: str) -> int:
+        return len(self._entries.get(key, ()))
+
+    def drop(self, key: str) -> None:
+        self.take(key)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class FakeCore:
+    def __init__(
+        self, spec: FakeSpec, *, max_batch_size: int = 16, kv_cache_bytes: int = 2 << 30
+    ) -> None:
+        self.spec = spec
+        self.max_batch_size = max_batch_size
+        self.store = _FakeStore(kv_cache_bytes)
+        self._streams: dict[str, _Stream] = {}  # insertion order = admission order
+        self._immediate: list[RequestOutput] = []
+        self._aborts: dict[str, bool] = {}
+
+    # --- EngineCore's public API ------------------------------------------------
+
+    def add(self, request: EngineRequest) -> None:
+        rid = request.request_id
+        if rid in self._streams or any(o.request_id == rid for o in self._immediate):
+            raise ValueError(f"duplicate request id {rid!r}")
+        stream = _Stream(request, time.monotonic(), len(request.generated_ids))
+        stream.cached_tokens = self._reuse(request)
+        if stream.num_generated >= request.params.max_new_tokens:  # rebuilt, already over
+            self._immediate.append(self._final(stream, "length", [], ""))
+            return
+        self._streams[rid] = stream
+
+    def abort(self, request_id: str, *, pause: bool = False) -> None:
+        if request_id in self._streams:
+            self._aborts[request_id] = pause
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._immediate = self._immediate, []
+        outputs += self._process_aborts()
+        self._wait_for_next_token()
+        now = time.monotonic()
+        stamp = f" {time.time_ns() // 1000}" if self.spec.stamp else None
+        for stream in list(self._streams.values())[: self.max_batch_size]:
+            outputs += self._advance(stream, now, stamp)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._streams or self._immediate)
+
+    def cached_length(self, cache_key: str) -> int:
+        return self.store.length(cache_key)
+
+    def drop_cache(self, cache_key: str) -> None:
+        self.store.drop(cache_key)
+
+    @property
+    def num_running(self) -> int:
+        return min(len(self._streams), self.max_batch_size)
+
+    @property
+    def num_waiting(self) -> int:
+        return max(0, len(self._streams) - self.max_batch_size)
+
+    # --- the step -----------------------------------------------------------------
+
+    def _wait_for_next_token(self) -> None:
+        """Sleep until a token is due (a real step takes time too): no busy loop."""
+        if not self._streams or math.isinf(self.spec.tokens_per_s) or self._aborts:
+            return
+        rate = self.spec.tokens_per_s
+        due = min(s.started + (s.emitted + 1) / rate for s in self._streams.values())
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(min(delay, 0.01))  # short: the process polls controls between steps
+
+    def _advance(self, stream: _Stream, now: float, stamp: str | None) -> list[RequestOutput]:
+        rate = self.spec.tokens_per_s
+        due = MAX_TOKENS_PER_STEP if math.isinf(rate) else int((now - stream.started) * rate)
+        count = min(due - stream.emitted, MAX_TOKENS_PER_STEP)
+        outputs = []
+        for _ in range(max(0, count)):
+            out = self._token(stream, stamp)
+            outputs.append(out)
+            if out.finished:
+                break
+        return outputs
+
+    def _token(self, stream: _Stream, stamp: str | None) -> RequestOutput:
+        token = stream.num_generated % len(WORDS)
+        text = stamp if stamp is not None else WORDS[token]
+        stream.num_generated += 1
+        stream.emitted += 1
+        reason: FinishReason | None = None
+        stop_at = self._find_stop(stream, text)
+        if stop_at is not None:
+            reason, text = "stop", text[:stop_at]
+        elif stream.num_generated >= stream.request.params.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            return self._final(stream, reason, [token], text)
+        return RequestOutput(stream.request.request_id, [token], text, stream.num_generated)
+
+    def _find_stop(self, stream: _Stream, text: str) -> int | None:
+        """Where in ``text`` a stop string completes (its start), if one does."""
+        stops = stream.request.params.stop
+        if not stops:
+            return None
+        window = stream.tail + text
+        hits = [window.find(s) for s in stops if s in window]
+        stream.tail = window[-max(map(len, stops)) :]
+        if not hits:
+            return None
+        return max(0, min(hits) - (len(window) - len(text)))
+
+    # --- leaving ---------------------------------------------------------------------
+
+    def _process_aborts(self) -> list[RequestOutput]:
+        outputs = []
+        for rid, pause in self._aborts.items():
+            stream = self._streams.get(rid)
+            if stream is not None:
+                reason: FinishReason | None = None if pause else "cancelled"
+                outputs.append(self._final(stream, reason, [], "", paused=pause))
+        self._aborts.clear()
+        return outputs
+
+    def _final(
+        self,
+        stream: _Stream,
+        reason: FinishReason | None,
+        new_ids: list[int],
+        text: str,
+        *,
+        paused: bool = False,
+    ) -> RequestOutput:
+        request = stream.request
+        self._streams.pop(request.request_id, None)
+        kv_len = self._retain(stream)
+        return RequestOutput(
+            request.request_id,
+            new_ids,
+            text,
+            stream.num_generated,
+            finished=not paused,
+            finish_reason=reason,
+            paused=paused,
+            usage=Usage(len(request.prompt_ids), stream.num_generated, stream.cached_tokens),
+            kv_len=kv_len,
+        )
+
+    # --- the nominal KV cache ------------------------------------------------------------
+
+    def _tokens(self, stream: _Stream) -> list[int]:
+        request = stream.request
+        generated = list(request.generated_ids)
+        generated += [i % len(WORDS) for i in range(len(generated), stream.num_generated)]
+        return list(request.prompt_ids) + generated
+
+    def _retain(self, stream: _Stream) -> int | None:
+        key = stream.request.cache_key
+        if key is None:
+            return None
+        tokens = self._tokens(stream)
+        return len(tokens) if self.store.put(key, tokens) else None
+
+    def _reuse(self, request: EngineRequest) -> int:
+        """Tokens of the request's context a retained handle covers (as ``EngineCore``)."""
+        held = self.store.take(request.cache_key) if request.cache_key else None
+        if not held:
+            return 0
+        context = list(request.prompt_ids) + list(request.generated_ids)
+        same = 0
+        for a, b in zip(held, context, strict=False):
+            if a != b:
+                break
+            same += 1
+        return min(same, len(context) - 1)
+
+
+def fake_engine(spec: str, config: Any) -> tuple[FakeCore, FakeLoaded]:
+    """The fake core for a ``fake:`` spec, sized by the engine's ``EngineConfig``."""
+    parsed = FakeSpec.parse(spec)
+    core = FakeCore(
+        parsed, max_batch_size=config.max_batch_size, kv_cache_bytes=config.kv_cache_bytes
+    )
+    return core, FakeLoaded(name=spec)

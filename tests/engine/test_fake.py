@@ -1,0 +1,115 @@
+"""The model-free load-test core: EngineCore's API and outputs, tokens at a set rate."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.engine.conftest import run_all, text_of, tokens_of
+from wsinfer.engine.core import EngineRequest
+from wsinfer.engine.fake import (
+    FAKE_KV_BYTES_PER_TOKEN,
+    WORDS,
+    FakeCore,
+    FakeSpec,
+    FakeSpecError,
+    fake_engine,
+)
+from wsinfer.sessions.schema import GenerationParams
+
+
+def request(rid: str = "s:1", n: int = 5, **kwargs: object) -> EngineRequest:
+    params = GenerationParams(max_new_tokens=n, stop=tuple(kwargs.pop("stop", ())))  # type: ignore[arg-type]
+    return EngineRequest(rid, [1, 2, 3], params, **kwargs)  # type: ignore[arg-type]
+
+
+def test_spec_parses_rate_and_stamp() -> None:
+    assert FakeSpec.parse("fake:200") == FakeSpec(200.0)
+    assert FakeSpec.parse("fake:inf:stamp") == FakeSpec(float("inf"), stamp=True)
+
+
+@pytest.mark.parametrize(
+    "spec", ["fake:", "fake:fast", "fake:0", "fake:-3", "fake:nan", "fake:5:x"]
+)
+def test_bad_specs_are_refused(spec: str) -> None:
+    with pytest.raises(FakeSpecError):
+        FakeSpec.parse(spec)
+
+
+def test_a_turn_runs_to_max_new_tokens_one_output_per_token() -> None:
+    core = FakeCore(FakeSpec(float("inf")))
+    core.add(request(n=10))
+    (outputs,) = run_all(core).values()
+    assert len(outputs) == 10 and [o.num_generated for o in outputs] == list(range(1, 11))
+    assert text_of(outputs) == "".join(WORDS[i % len(WORDS)] for i in range(10))
+    last = outputs[-1]
+    assert last.finished and last.finish_reason == "length"
+    assert last.usage is not None and last.usage.completion_tokens == 10
+    assert not core.has_unfinished()
+
+
+def test_tokens_come_at_the_set_rate() -> None:
+    core = FakeCore(FakeSpec(100.0))
+    core.add(request(n=20))
+    started = time.monotonic()
+    run_all(core)
+    elapsed = time.monotonic() - started
+    assert 0.18 <= elapsed < 2.0  # 20 tokens at 100/s: 0.2 s, not a busy burst
+
+
+def test_a_taken_over_turn_continues_the_same_text() -> None:
+    whole = FakeCore(FakeSpec(float("inf")))
+    whole.add(request(n=12))
+    reference = text_of(run_all(whole)["s:1"])
+    first = FakeCore(FakeSpec(float("inf")))
+    first.add(request(n=12))
+    head = first.step()[:5]
+    rest = FakeCore(FakeSpec(float("inf")))  # another engine, from the token log
+    rest.add(request(n=12, generated_ids=tokens_of(head)))
+    assert text_of(head) + text_of(run_all(rest)["s:1"]) == reference
+
+
+def test_pause_and_cancel() -> None:
+    core = FakeCore(FakeSpec(float("inf")))
+    core.add(request("a", n=1000))
+    core.add(request("b", n=1000))
+    core.step()
+    core.abort("a", pause=True)
+    core.abort("b")
+    outputs = {o.request_id: o for o in core.step() if o.finished or o.paused}
+    assert outputs["a"].paused and not outputs["a"].finished
+    assert outputs["b"].finished and outputs["b"].finish_reason == "cancelled"
+    assert not core.has_unfinished()
+
+
+def test_a_stop_string_ends_the_turn_before_it() -> None:
+    core = FakeCore(FakeSpec(float("inf")))
+    core.add(request(n=100, stop=["dolor"]))
+    outputs = run_all(core)["s:1"]
+    assert text_of(outputs) == " lorem ipsum "
+    assert outputs[-1].finish_reason == "stop"
+
+
+def test_a_kept_cache_covers_the_next_turn() -> None:
+    core = FakeCore(FakeSpec(float("inf")))
+    core.add(request("s:1", n=4, cache_key="s"))
+    first = run_all(core)["s:1"][-1]
+    assert first.kv_len == 7 and core.cached_length("s") == 7
+    assert core.store.used_bytes == 7 * FAKE_KV_BYTES_PER_TOKEN and len(core.store) == 1
+    context = [1, 2, 3, 0, 1, 2, 3, 9, 9]  # the first turn's prompt and tokens, then new ones
+    core.add(EngineRequest("s:2", context, GenerationParams(max_new_tokens=2), cache_key="s"))
+    last = run_all(core)["s:2"][-1]
+    assert last.usage is not None and last.usage.cached_tokens == 7
+    core.drop_cache("s")
+    assert core.cached_length("s") == 0 and core.store.used_bytes == 0
+
+
+def test_the_batch_limit_leaves_the_rest_waiting() -> None:
+    core, _ = fake_engine("fake:inf", type("C", (), {"max_batch_size": 2, "kv_cache_bytes": 1})())
+    for i in range(3):
+        core.add(request(f"r{i}", n=1000))
+    assert (core.num_running, core.num_waiting) == (2, 1)
+    assert {o.request_id for o in core.step()} == {"r0", "r1"}
+    with pytest.raises(ValueError):
+        core.add(request("r0"))

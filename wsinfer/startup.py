@@ -1,0 +1,83 @@
+"""Start-up checks: a problem an operator can fix becomes one clear line and exit 1.
+
+A busy port or an unreachable Redis is found before anything slow happens
+(the engine checks before loading its model) and reported as a
+``StartupError``, which ``cli.main`` logs as a single line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio as aioredis
+
+if TYPE_CHECKING:
+    from websockets.asyncio.server import Server
+
+    from wsinfer.server import Frontend
+
+REDIS_CHECK_TIMEOUT_S = 5.0
+
+
+class StartupError(Exception):
+    """Something outside wsinfer keeps it from starting; the message says what."""
+
+
+def redact(url: str) -> str:
+    """The URL without its password, fit for a log line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=f"{user}{host}{port}"))
+
+
+def _redis_error(url: str, exc: BaseException) -> StartupError:
+    reason = str(exc) or type(exc).__name__
+    return StartupError(f"cannot reach Redis at {redact(url)}: {reason}")
+
+
+def require_redis(url: str) -> None:
+    """Redis at ``url`` answers a PING."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_CHECK_TIMEOUT_S)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as exc:
+        raise _redis_error(url, exc) from None
+    finally:
+        client.close()
+
+
+async def require_redis_async(client: aioredis.Redis, url: str) -> None:
+    try:
+        await asyncio.wait_for(client.ping(), REDIS_CHECK_TIMEOUT_S)
+    except (aioredis.RedisError, OSError, asyncio.TimeoutError) as exc:
+        raise _redis_error(url, exc) from None
+
+
+def listen_error(what: str, host: str, port: int, exc: OSError) -> StartupError:
+    reason = exc.strerror or str(exc)
+    return StartupError(f"cannot listen on {host}:{port} for {what}: {reason}")
+
+
+async def start_frontend(frontend: Frontend) -> Server:
+    """Check Redis, then listen; either failing is a ``StartupError``."""
+    config = frontend.config
+    await require_redis_async(frontend.redis, config.redis_url)
+    try:
+        return await frontend.start()
+    except OSError as exc:
+        raise listen_error("WebSocket clients", config.host, config.port, exc) from None
+
+
+def serve_metrics(metrics: Any, host: str, port: int) -> int:
+    """Serve an engine's /metrics; the port it got."""
+    try:
+        return int(metrics.serve(port, host))
+    except OSError as exc:
+        raise listen_error("metrics", host, port, exc) from None
