@@ -91,6 +91,11 @@ class EngineMetrics:
             registry=r,
         )
         waiting.set_function(lambda: self.core.num_waiting if self.core is not None else 0)
+        self.max_batch = Gauge(
+            "wsinfer_engine_max_batch_size",
+            "Turns the engine runs at once (--max-batch-size): running / this = saturation",
+            registry=r,
+        )
         self.batch_size = Histogram(
             "wsinfer_engine_batch_size",
             "Turns that got a token in one step (tgi_batch_current_size)",
@@ -179,9 +184,10 @@ class EngineMetrics:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         Gauge("wsinfer_engine_gpu_memory_total_bytes", "CUDA device memory", registry=r).set(total)
 
-    def attach(self, core: Any, model: str, device: str) -> None:
+    def attach(self, core: Any, model: str, device: str, max_batch_size: int = 0) -> None:
         self.core = core
         self.info.labels(engine=self.engine_id, model=model).set(1)
+        self.max_batch.set(max_batch_size)
         if device.startswith("cuda"):
             self._define_gpu(self.registry)
 

@@ -78,7 +78,7 @@ class EngineProcess:
         self.store = store
         self.config = config
         self.metrics = metrics or EngineMetrics(engine_id=config.engine_id)
-        self.metrics.attach(core, loaded.name, str(loaded.device))
+        self.metrics.attach(core, loaded.name, str(loaded.device), config.max_batch_size)
         self.active: dict[str, ActiveTurn] = {}
         self.discard: set[str] = set()  # aborted because the turn is no longer ours
         self._stopping = False

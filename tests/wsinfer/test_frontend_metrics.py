@@ -1,0 +1,112 @@
+"""The frontend's /metrics: what operators asked for, consistent at every scrape,
+with a real fake-core engine process, real Redis and real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from tests.stack import Client, Logged, joined, wait_for_engine
+from wsinfer.server import Frontend, FrontendConfig
+
+KEY = "k1"
+
+
+@pytest.fixture
+def engine(tmp_path: Path, redis_url: str) -> Iterator[Logged]:
+    engine = Logged.spawn(
+        tmp_path, "engine", "engine", "--model", "fake:100", "--engine-id", "e1",
+        "--redis-url", redis_url, "--log-level", "warning",
+    )  # fmt: skip
+    wait_for_engine(redis_url, "e1", engine.process)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+async def frontend(redis_url: str, engine: Logged) -> AsyncIterator[Frontend]:
+    config = FrontendConfig(
+        port=0, redis_url=redis_url, touch_interval_s=0.2, api_keys=frozenset({KEY})
+    )
+    frontend = Frontend(config)
+    await frontend.start()
+    yield frontend
+    await frontend.stop()
+
+
+async def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def fetch() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            return str(resp.read().decode())
+
+    text = await asyncio.to_thread(fetch)
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def open_client(port: int) -> Client:
+    return await Client.open(port, additional_headers={"Authorization": f"Bearer {KEY}"})
+
+
+async def test_turns_resumes_and_refusals_are_counted(frontend: Frontend) -> None:
+    port = frontend.port
+    client = await open_client(port)
+    await client.send(type="generate", prompt="Hi", params={"max_new_tokens": 5})
+    messages = await client.until("done")
+    session = messages[0]
+    await client.send(type="generate", bogus=1)
+    assert (await client.recv())["code"] == "bad_request"
+    await client.close()
+    with pytest.raises(InvalidStatus):
+        await connect(f"ws://127.0.0.1:{port}/v1/ws")  # no key: 401
+    again = await open_client(port)
+    await again.send(type="resume", session=session["session"], token=session["token"], after=2)
+    replay = await again.until("done")
+    assert joined(replay, after=2)[1] == 5
+    await again.close()
+    await asyncio.sleep(0.5)  # a few touch ticks: Redis round trips sampled
+    metrics = await scrape(port)
+    assert metrics[("wsinfer_turns_started_total", ())] == 1
+    assert metrics[("wsinfer_resumes_total", ())] == 1
+    assert metrics[("wsinfer_replayed_deltas_total", ())] == 3  # seq 3, 4, 5
+    assert metrics[("wsinfer_refusals_total", (("code", "bad_request"),))] == 1
+    assert metrics[("wsinfer_refusals_total", (("code", "unauthorized"),))] == 1
+    assert metrics[("wsinfer_e2e_turn_latency_seconds_count", ())] == 1
+    assert metrics[("wsinfer_time_to_first_delta_seconds_count", ())] == 1
+    assert metrics[("wsinfer_redis_rtt_seconds_count", ())] >= 1
+    assert metrics[("process_resident_memory_bytes", ())] > 0
+    assert metrics[("process_open_fds", ())] > 0
+
+
+async def test_connections_and_followed_sessions_agree_at_every_scrape(
+    frontend: Frontend,
+) -> None:
+    port = frontend.port
+    clients = [await open_client(port) for _ in range(3)]
+    for client in clients[:2]:  # two follow a long turn, one is idle
+        await client.send(type="generate", prompt="Hi", params={"max_new_tokens": 4000})
+        await client.recv()
+    live = await scrape(port)
+    assert live[("wsinfer_connections", ())] == 3
+    assert live[("wsinfer_active_sessions", ())] == 2
+    assert live[("wsinfer_send_queue_bytes", ())] >= 0
+    assert ("wsinfer_send_queue_max_bytes", ()) in live
+    for client in clients:
+        await client.close()
+    for _ in range(50):  # the server notices the closes
+        after = await scrape(port)
+        if after[("wsinfer_connections", ())] == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert after[("wsinfer_connections", ())] == 0
+    assert after[("wsinfer_active_sessions", ())] == 0  # at once, not at the next tick
