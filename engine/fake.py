@@ -203,8 +203,8 @@ class FakeCore:
 
     def _advance(self, stream: _Stream, now: float, stamp: str | None) -> list[RequestOutput]:
         rate = self.spec.tokens_per_s
-        due = MAX_TOKENS_PER_STEP if math.isinf(rate) else int((now - stream.started) * rate)
-        count = min(due - stream.emitted, MAX_TOKENS_PER_STEP)
+        due = math.inf if math.isinf(rate) else int((now - stream.started) * rate)
+        count = int(min(due - stream.emitted, MAX_TOKENS_PER_STEP))
         outputs = []
         for _ in range(max(0, count)):
             out = self._token(stream, stamp)

@@ -219,3 +219,25 @@ def test_a_failing_gpu_cell_is_reported_and_the_rest_still_measured(
     assert float(one[1]) > 0 and three[1] == "n/a" and three[3] == "n/ax"
     assert float(three[2]) > 0 and float(three[4]) > 0  # the baselines still ran at 3
     assert "EngineCore at 3: RuntimeError: CUDA out of memory (pretend)" in table
+
+
+def test_bench_fanout_measures_the_relay_against_bare_websockets(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sigterm = signal.getsignal(signal.SIGTERM)  # the script installs its own
+    try:
+        load_script("bench_fanout").main(
+            ["--streams", "1,4", "--tokens", "400", "--idle", "20", "--reconnects", "5",
+             "--paced-streams", "3", "--paced-seconds", "0.5"]
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    out = capsys.readouterr().out.splitlines()
+    rows = data_rows(out)
+    assert [row[0] for row in rows] == ["1", "4"]
+    for row in rows:
+        assert float(row[2].replace(",", "")) > 0 and float(row[6].replace(",", "")) > 0
+        assert row[8].endswith("%") and float(row[4]) >= 1  # tokens per frame
+    assert any(line.startswith("Reconnect to first replayed delta (5 reconnects") for line in out)
+    assert any(line.startswith("Paced: 3 streams") for line in out)
+    assert any(line.startswith("Idle: 20 connections") for line in out)

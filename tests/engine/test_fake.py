@@ -49,6 +49,13 @@ def test_a_turn_runs_to_max_new_tokens_one_output_per_token() -> None:
     assert not core.has_unfinished()
 
 
+def test_as_fast_as_possible_keeps_going_past_one_step() -> None:
+    core = FakeCore(FakeSpec(float("inf")))
+    core.add(request(n=500))
+    outputs = run_all(core, max_steps=20)["s:1"]
+    assert outputs[-1].num_generated == 500 and outputs[-1].finish_reason == "length"
+
+
 def test_tokens_come_at_the_set_rate() -> None:
     core = FakeCore(FakeSpec(100.0))
     core.add(request(n=20))
