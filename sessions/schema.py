@@ -200,7 +200,13 @@ def as_str(value: Any) -> str:
 
 def encode(message: Any) -> dict[str, bytes]:
     """Encode a schema dataclass as the fields of one Redis stream entry."""
-    return {"m": msgpack.packb(asdict(message), use_bin_type=True)}
+    if type(message) is DeltaEvent:  # one per token: asdict's deep copy was a quarter of
+        # an engine's publishing time under fan-out load; the same map, built directly.
+        data: Any = {"seq": message.seq, "text": message.text, "tokens": message.tokens}
+        data["kind"] = "delta"
+    else:
+        data = asdict(message)
+    return {"m": msgpack.packb(data, use_bin_type=True)}
 
 
 def _decode_fields(fields: dict[Any, Any]) -> dict[str, Any]:
