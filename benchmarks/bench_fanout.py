@@ -3,6 +3,8 @@
     python benchmarks/bench_fanout.py [--streams 1,50,200,1000] [--tokens 60000]
         [--idle 10000] [--paced-streams 200] [--paced-rate 20] [--reconnects 300]
 
+(``--tokens`` is split over each row's streams, at most 4096 per stream.)
+
 Everything real except the model: a private redis-server, one ``wsinfer engine
 --model fake:inf:stamp`` (tokens as fast as its loop goes, each token's text
 its production time in µs), one ``wsinfer frontend`` process, and WebSocket
@@ -63,6 +65,7 @@ CONNECT_BATCH = 200  # handshakes in flight at once
 # Turns started at once: a frontend answers each generate with several Redis
 # round trips from a bounded pool; the streams still all run together.
 START_BATCH = 50
+MAX_NEW_TOKENS = 4096  # the protocol's limit for one turn
 
 
 # --- processes --------------------------------------------------------------------
@@ -324,7 +327,7 @@ async def relay_section(svc: Service, bare_port: int, bare_pid: int, args: Any) 
     service_url = f"ws://127.0.0.1:{svc.port}/v1/ws"
     bare_url = f"ws://127.0.0.1:{bare_port}"
     for n in args.streams:
-        tokens = max(20, args.tokens // n)
+        tokens = min(MAX_NEW_TOKENS, max(20, args.tokens // n))
         await measure(service_url, n, 20, svc.pids(), bare=False)  # warm-up
         ours = await measure(service_url, n, tokens, svc.pids(), bare=False)
         bare = await measure(bare_url, n, tokens, {"bare": bare_pid}, bare=True)
@@ -360,9 +363,9 @@ async def idle_section(svc: Service, n: int) -> str:
     start = time.perf_counter()
     sockets = await open_many(url, n)
     generate = json.dumps({"type": "generate", "prompt": "x", "params": {"max_new_tokens": 4096}})
-    for first in range(0, n, CONNECT_BATCH):
+    for first in range(0, n, START_BATCH):
         await asyncio.gather(
-            *(_start_paused(ws, generate) for ws in sockets[first : first + CONNECT_BATCH])
+            *(_start_paused(ws, generate) for ws in sockets[first : first + START_BATCH])
         )
     setup = time.perf_counter() - start
     await asyncio.sleep(2)
@@ -430,7 +433,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reconnects", type=int, default=300)
     parser.add_argument("--bare-relay", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.streams = [int(s) for s in args.streams.split(",")]
+    args.streams = [int(s) for s in args.streams.split(",") if s]  # "": no relay rows
     return args
 
 
@@ -440,12 +443,14 @@ async def run(args: argparse.Namespace) -> list[str]:
         "frontend, engine (fake:inf:stamp) and Redis\n"
     ]
     with service() as svc, bare_relay() as (bare_port, bare_pid):
-        svc.start_engine("fake:inf:stamp", max(1024, *args.streams))
+        svc.start_engine("fake:inf:stamp", max(1024, *args.streams, 0))
         relay = await relay_section(svc, bare_port, bare_pid, args)
         sessions = await _finished_sessions(svc)
         out += relay + [""]
         out.append(await reconnect_section(svc, sessions, args.reconnects))
+        print(out[-1], file=sys.stderr, flush=True)
         out.append(await paced_section(svc, args))
+        print(out[-1], file=sys.stderr, flush=True)
         if args.idle:
             svc.start_engine(f"fake:{args.paced_rate}", max(args.idle, 16))
             out.append(await idle_section(svc, args.idle))
