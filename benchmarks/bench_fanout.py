@@ -19,8 +19,9 @@ clients in this process (JSON subprotocol). Sections:
    over its streams (the ceiling), and the ratio.
 2. Paced: ``--paced-streams`` streams at ``--paced-rate`` tokens/s each (an
    engine ``fake:RATE:stamp``): publish-to-receive p50/p99 below saturation.
-3. Idle: ``--idle`` connections, each following a paused turn; the frontend's
-   RSS per connection.
+3. Idle: ``--idle`` connections, each holding a session whose turn is done,
+   then ``--idle-followed`` connections each following a paused turn (its
+   stream stays in the fan-in's XREAD); the frontend's RSS per connection.
 4. Reconnect: a new connection resumes a finished 50-token turn; time from
    starting the connection (and from sending ``resume``) to the first replayed
    delta, p50/p99, one at a time.
@@ -356,42 +357,45 @@ async def paced_section(svc: Service, args: Any) -> str:
     )
 
 
-async def idle_section(svc: Service, n: int) -> str:
-    """n connections each following a paused turn; the frontend's RSS per connection."""
+async def idle_section(svc: Service, n: int, *, followed: bool) -> str:
+    """n connections, each holding a session (its turn done) or following a paused turn;
+    the frontend's RSS per connection, and its CPU while they idle."""
     url = f"ws://127.0.0.1:{svc.port}/v1/ws"
     base = rss_bytes(svc.frontend.pid)
     start = time.perf_counter()
     sockets = await open_many(url, n)
-    generate = json.dumps({"type": "generate", "prompt": "x", "params": {"max_new_tokens": 4096}})
+    tokens = 4096 if followed else 1
+    generate = json.dumps({"type": "generate", "prompt": "x", "params": {"max_new_tokens": tokens}})
     for first in range(0, n, START_BATCH):
-        await asyncio.gather(
-            *(_start_paused(ws, generate) for ws in sockets[first : first + START_BATCH])
-        )
+        batch = sockets[first : first + START_BATCH]
+        await asyncio.gather(*(_start_idle(ws, generate, followed) for ws in batch))
     setup = time.perf_counter() - start
     await asyncio.sleep(2)
     rss = rss_bytes(svc.frontend.pid)
-    # Idle means idle: the frontend should be near zero CPU with them all held.
     before, t0 = cpu_seconds(svc.frontend.pid), time.perf_counter()
     await asyncio.sleep(3)
     idle_cpu = (cpu_seconds(svc.frontend.pid) - before) / (time.perf_counter() - t0)
     await asyncio.gather(*(ws.close() for ws in sockets), return_exceptions=True)
+    what = "following a paused turn" if followed else "holding a session (its turn done)"
     return (
-        f"Idle: {n:,} connections, each following a paused turn: frontend RSS "
+        f"Idle: {n:,} connections, each {what}: frontend RSS "
         f"{rss / 2**20:,.0f} MiB ({base / 2**20:,.0f} MiB before), "
-        f"{(rss - base) / n / 1024:.1f} KiB per connection; set up in {setup:.1f} s; "
-        f"frontend CPU while they idle {idle_cpu:.2f}"
+        f"{(rss - base) / n / 1024:.1f} KiB per connection; set up in {setup:.1f} s "
+        f"({n / setup:,.0f}/s); frontend CPU while they idle {idle_cpu:.2f}"
     )
 
 
-async def _start_paused(ws: ClientConnection, generate: str) -> None:
+async def _start_idle(ws: ClientConnection, generate: str, pause: bool) -> None:
     await ws.send(generate)
     session = json.loads(await ws.recv())
     if session["type"] != "session":
         raise RuntimeError(f"refused: {session}")
-    await ws.send(
-        json.dumps({"type": "pause", "session": session["session"], "token": session["token"]})
-    )
-    while json.loads(await asyncio.wait_for(ws.recv(), 120))["type"] != "paused":
+    if pause:
+        ids = {"session": session["session"], "token": session["token"]}
+        await ws.send(json.dumps({"type": "pause", **ids}))
+    while json.loads(await asyncio.wait_for(ws.recv(), 120))["type"] != (
+        "paused" if pause else "done"
+    ):
         pass
 
 
@@ -430,6 +434,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--paced-rate", type=float, default=20.0, help="tokens/s per stream")
     parser.add_argument("--paced-seconds", type=float, default=5.0)
     parser.add_argument("--idle", type=int, default=10_000, help="idle connections (0: skip)")
+    parser.add_argument(
+        "--idle-followed",
+        type=int,
+        default=1_000,
+        help="idle connections each following a paused turn (0: skip)",
+    )
     parser.add_argument("--reconnects", type=int, default=300)
     parser.add_argument("--bare-relay", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -451,9 +461,11 @@ async def run(args: argparse.Namespace) -> list[str]:
         print(out[-1], file=sys.stderr, flush=True)
         out.append(await paced_section(svc, args))
         print(out[-1], file=sys.stderr, flush=True)
-        if args.idle:
-            svc.start_engine(f"fake:{args.paced_rate}", max(args.idle, 16))
-            out.append(await idle_section(svc, args.idle))
+        svc.start_engine(f"fake:{args.paced_rate}", max(args.idle, args.idle_followed, 16))
+        for count, followed in ((args.idle, False), (args.idle_followed, True)):
+            if count:
+                out.append(await idle_section(svc, count, followed=followed))
+                print(out[-1], file=sys.stderr, flush=True)
     return out
 
 

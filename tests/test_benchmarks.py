@@ -227,8 +227,8 @@ def test_bench_fanout_measures_the_relay_against_bare_websockets(
     sigterm = signal.getsignal(signal.SIGTERM)  # the script installs its own
     try:
         load_script("bench_fanout").main(
-            ["--streams", "1,4", "--tokens", "400", "--idle", "20", "--reconnects", "5",
-             "--paced-streams", "3", "--paced-seconds", "0.5"]
+            ["--streams", "1,4", "--tokens", "400", "--idle", "20", "--idle-followed", "10",
+             "--reconnects", "5", "--paced-streams", "3", "--paced-seconds", "0.5"]
         )  # fmt: skip
     finally:
         signal.signal(signal.SIGTERM, sigterm)
@@ -240,4 +240,5 @@ def test_bench_fanout_measures_the_relay_against_bare_websockets(
         assert row[8].endswith("%") and float(row[4]) >= 1  # tokens per frame
     assert any(line.startswith("Reconnect to first replayed delta (5 reconnects") for line in out)
     assert any(line.startswith("Paced: 3 streams") for line in out)
-    assert any(line.startswith("Idle: 20 connections") for line in out)
+    assert any(line.startswith("Idle: 20 connections, each holding") for line in out)
+    assert any(line.startswith("Idle: 10 connections, each following") for line in out)
