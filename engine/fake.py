@@ -31,8 +31,10 @@ FAKE_PREFIX = "fake:"
 WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
 # Nominal size of one token's KV, so the cache metrics move like a small model's.
 FAKE_KV_BYTES_PER_TOKEN = 16 * 1024
-# A stream far behind its rate catches up over several steps, like a real
-# engine that emits one token per step, instead of one huge step.
+# A stream behind its rate gets its due tokens in one output (one delta), at
+# most this many per step; at ``inf`` every step gives each stream one token,
+# as a real engine does. One output per request per step: process.py numbers
+# a step's publishes per turn on that assumption.
 MAX_TOKENS_PER_STEP = 64
 
 
@@ -203,14 +205,17 @@ class FakeCore:
 
     def _advance(self, stream: _Stream, now: float, stamp: str | None) -> list[RequestOutput]:
         rate = self.spec.tokens_per_s
-        due = math.inf if math.isinf(rate) else int((now - stream.started) * rate)
-        count = int(min(due - stream.emitted, MAX_TOKENS_PER_STEP))
-        outputs = []
-        for _ in range(max(0, count)):
-            out = self._token(stream, stamp)
-            outputs.append(out)
-            if out.finished:
+        due = stream.emitted + 1 if math.isinf(rate) else int((now - stream.started) * rate)
+        outputs: list[RequestOutput] = []
+        for _ in range(min(due - stream.emitted, MAX_TOKENS_PER_STEP)):
+            outputs.append(self._token(stream, stamp))
+            if outputs[-1].finished:
                 break
+        if len(outputs) > 1:  # one output carrying them all
+            last = outputs[-1]
+            last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
+            last.text = "".join(out.text for out in outputs)
+            return [last]
         return outputs
 
     def _token(self, stream: _Stream, stamp: str | None) -> RequestOutput:

@@ -55,7 +55,7 @@ class Metrics:
         self.active_sessions.set_function(self._followed_sessions)
         Gauge(
             "wsinfer_send_queue_bytes",
-            "Bytes written to client sockets but not yet sent, all connections",
+            "Bytes queued for clients but not yet sent, all connections",
             registry=r,
         ).set_function(lambda: sum(self._queued()))
         Gauge(
@@ -110,10 +110,13 @@ class Metrics:
         return len({s for conn in self._connections() for s in conn.protocol.feeds})
 
     def _queued(self) -> list[int]:
+        """Per connection: encoded but unsent, plus what the socket has not taken yet."""
         sizes = []
         for conn in self._connections():
             transport = getattr(conn.ws, "transport", None)
-            sizes.append(transport.get_write_buffer_size() if transport is not None else 0)
+            size = transport.get_write_buffer_size() if transport is not None else 0
+            size += getattr(conn.protocol, "outbox_bytes", 0) + getattr(conn, "_unsent", 0)
+            sizes.append(size)
         return sizes
 
     def clock(self) -> TurnClock:

@@ -49,11 +49,26 @@ def test_a_turn_runs_to_max_new_tokens_one_output_per_token() -> None:
     assert not core.has_unfinished()
 
 
-def test_as_fast_as_possible_keeps_going_past_one_step() -> None:
+def test_as_fast_as_possible_is_one_token_per_stream_per_step() -> None:
     core = FakeCore(FakeSpec(float("inf")))
+    core.add(request("a", n=200))
+    core.add(request("b", n=200))
+    steps = 0
+    while core.has_unfinished():
+        outputs = core.step()
+        assert sorted(o.request_id for o in outputs) == ["a", "b"]
+        assert all(len(o.new_token_ids) == 1 for o in outputs)
+        steps += 1
+    assert steps == 200 and outputs[-1].finish_reason == "length"
+
+
+def test_a_stream_behind_its_rate_gets_its_tokens_in_one_output() -> None:
+    core = FakeCore(FakeSpec(1000.0))
     core.add(request(n=500))
-    outputs = run_all(core, max_steps=20)["s:1"]
-    assert outputs[-1].num_generated == 500 and outputs[-1].finish_reason == "length"
+    time.sleep(0.05)  # about 50 tokens due
+    (out,) = core.step()
+    assert 20 <= len(out.new_token_ids) <= 64 and out.num_generated == len(out.new_token_ids)
+    assert out.text == "".join(WORDS[i % len(WORDS)] for i in range(out.num_generated))
 
 
 def test_tokens_come_at_the_set_rate() -> None:
@@ -71,7 +86,7 @@ def test_a_taken_over_turn_continues_the_same_text() -> None:
     reference = text_of(run_all(whole)["s:1"])
     first = FakeCore(FakeSpec(float("inf")))
     first.add(request(n=12))
-    head = first.step()[:5]
+    head = [first.step()[0] for _ in range(5)]
     rest = FakeCore(FakeSpec(float("inf")))  # another engine, from the token log
     rest.add(request(n=12, generated_ids=tokens_of(head)))
     assert text_of(head) + text_of(run_all(rest)["s:1"]) == reference
