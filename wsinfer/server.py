@@ -92,6 +92,7 @@ class Frontend:
         self.log_throttle = LogThrottle()
         self.http = HttpApp(self)  # plain HTTP on the same port (wsinfer/http/)
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
         self.server: Server | None = None
 
     async def start(self) -> Server:
@@ -117,6 +118,7 @@ class Frontend:
         return int(self.server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
+        self._closing = True  # a cancel that redis-py swallows must not keep _touch looping
         if self.server is not None:
             self.server.close()
             self.http.close()
@@ -137,7 +139,7 @@ class Frontend:
 
     async def _touch(self) -> None:
         """Keep followed sessions marked as watched (idle pause) and alive (TTL)."""
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.config.touch_interval_s)
             followed: dict[str, int] = {}
             peers: list[Any] = [*self.connections, *self.http.peers]

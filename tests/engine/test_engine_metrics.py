@@ -3,6 +3,7 @@ with real engine processes (the fake core), a real frontend and real Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -43,7 +44,7 @@ async def frontend(redis_url: str) -> AsyncIterator[Frontend]:
     frontend = Frontend(FrontendConfig(port=0, redis_url=redis_url, touch_interval_s=0.3))
     await frontend.start()
     yield frontend
-    await frontend.stop()
+    await asyncio.wait_for(frontend.stop(), 30)  # a hang here is a bug, not a slow machine
 
 
 async def test_a_turn_and_its_next_turn_show_up_in_the_engine_metrics(
