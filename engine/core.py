@@ -94,6 +94,7 @@ class EngineCore(CoreBase):
         # pipelined publishing are meant to keep near zero.
         self.gpu_idle_seconds = 0.0
         self.steps = 0
+        self.preemptions = 0
         self._last_end: torch.cuda.Event | None = None
         if cfg.cuda_graphs if cfg.cuda_graphs is not None else on_cuda:
             self.graph_capture_seconds = self.runner.capture_graphs(
@@ -263,6 +264,7 @@ class EngineCore(CoreBase):
     def _preempt(self, seq: _Seq) -> None:
         """Out of KV blocks: send ``seq`` back to the queue, to be recomputed from its tokens."""
         log.warning("kv pool full; preempting", request=seq.id, tokens=len(seq.tokens))
+        self.preemptions += 1
         self._leave_batch(seq)
         self.pool.release(seq.blocks)
         seq.blocks, seq.computed = [], 0

@@ -161,6 +161,7 @@ class EngineMetrics:
             "KV caches kept for paused and finished turns",
             registry=r,
         ).set_function(lambda: len(self._store() or ()))
+        self._define_pool(r)
         self.kv_lookups = Counter(
             "wsinfer_engine_kv_cache_lookups",
             "Resumed or next turns, by whether a kept KV cache spared their prefill "
@@ -168,6 +169,32 @@ class EngineMetrics:
             ["kind", "result"],
             registry=r,
         )
+
+    def _define_pool(self, r: CollectorRegistry) -> None:
+        """The paged KV pool of the fast path (absent on the eager core: reads 0)."""
+        Gauge(
+            "wsinfer_engine_kv_pool_blocks",
+            "Blocks of the paged KV pool, allocated once at start-up",
+            registry=r,
+        ).set_function(lambda: self._pool_attr("num_blocks"))
+        Gauge(
+            "wsinfer_engine_kv_pool_free_blocks",
+            "Blocks neither running rows nor kept caches hold",
+            registry=r,
+        ).set_function(lambda: self._pool_attr("free_blocks"))
+        Gauge(
+            "wsinfer_engine_kv_cache_usage_perc",
+            "Fraction of the KV pool in use, kept caches included (vllm:kv_cache_usage_perc)",
+            registry=r,
+        ).set_function(self._pool_usage)
+        r.register(_CoreCounters(self))
+
+    def _pool_attr(self, name: str) -> float:
+        return float(getattr(getattr(self.core, "pool", None), name, 0))
+
+    def _pool_usage(self) -> float:
+        total = self._pool_attr("num_blocks")
+        return 1.0 - self._pool_attr("free_blocks") / total if total else 0.0
 
     def _define_gpu(self, r: CollectorRegistry) -> None:
         import torch
@@ -283,3 +310,21 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
+
+
+class _CoreCounters:
+    """Counters the core keeps itself, read at scrape time."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        core = self.metrics.core
+        for name, doc in (
+            ("gpu_idle_seconds", "GPU time spent waiting for the host between steps"),
+            ("preemptions", "Rows sent back to be recomputed for want of KV blocks"),
+        ):
+            value = float(getattr(core, name, 0) or 0)
+            yield CounterMetricFamily(f"wsinfer_engine_{name}", doc, value=value)

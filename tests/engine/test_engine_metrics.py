@@ -7,6 +7,7 @@ import asyncio
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -142,3 +143,29 @@ def test_gpu_memory_series_only_on_cuda() -> None:
     metrics.attach(None, "m", "cpu")
     assert b"gpu_memory" not in metrics.render()
     assert b"wsinfer_engine_requests_running 0.0" in metrics.render()
+
+
+def test_the_paged_pool_and_core_counters_are_exported(tiny: Any) -> None:
+    from tests.engine.conftest import run_all
+    from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest
+    from wsinfer.sessions.schema import GenerationParams
+
+    per_block = EngineCore(tiny, EngineConfig(max_batch_size=1)).pool.block_bytes
+    core = EngineCore(tiny, EngineConfig(max_batch_size=2, kv_pool_bytes=9 * per_block))
+    params = GenerationParams(max_new_tokens=60, temperature=0.0)
+    for rid in ("a", "b"):  # two rows of ~70 tokens need 10 blocks: one is preempted
+        core.add(EngineRequest(rid, [5] * 10, params, cache_key=rid))
+    run_all(core)
+    metrics = EngineMetrics(engine_id="e")
+    metrics.attach(core, "tiny", "cpu", 2)
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+    assert samples["wsinfer_engine_kv_pool_blocks"] == 9
+    held = sum(len(e.blocks) for e in core.store._entries.values())
+    assert held > 0 and samples["wsinfer_engine_kv_pool_free_blocks"] == 9 - 1 - held
+    assert samples["wsinfer_engine_kv_cache_usage_perc"] == pytest.approx((1 + held) / 9)
+    assert samples["wsinfer_engine_preemptions_total"] >= 1
+    assert samples["wsinfer_engine_gpu_idle_seconds_total"] == 0  # CPU: nothing to wait for
