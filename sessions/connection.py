@@ -21,6 +21,8 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from wsinfer.sessions import connect
+
 # Enough to keep Redis busy from one frontend; more only adds contention.
 DEFAULT_POOL_SIZE = 32
 # How long a request waits for a free pooled connection before failing.
@@ -50,6 +52,10 @@ def async_client(
     url: str, *, pool_size: int = DEFAULT_POOL_SIZE, read_timeout_s: float | None = READ_TIMEOUT_S
 ) -> aioredis.Redis:
     """An asyncio client on a bounded pool: waits for a connection, never errors on count."""
+    if connect.parse(url).kind != "standalone":  # Cluster or Sentinel: connect.py
+        return connect.async_client(
+            url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=read_timeout_s
+        )
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=pool_size,
@@ -62,6 +68,10 @@ def async_client(
 
 def sync_client(url: str, *, read_timeout_s: float = READ_TIMEOUT_S) -> redis.Redis:
     """The engine's client (one thread, one connection at a time)."""
+    if connect.parse(url).kind != "standalone":
+        return connect.sync_client(
+            url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=read_timeout_s
+        )
     return redis.Redis.from_url(
         url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=read_timeout_s
     )

@@ -4,6 +4,12 @@ Per-session keys carry the session id as a hash tag (``{sid}``) so that, on a
 Redis Cluster, all of a session's keys live in one slot and the Lua scripts in
 ``scripts.py`` may touch them together. Global keys (the work queue, engine
 registry, per-process control and wake-up streams) have no session in them.
+
+On a cluster the work queues share one hash tag (``{q}``), so that an engine
+reads the shared queue and its own queue in one XREADGROUP: they live on one
+node, which carries one entry per turn (not per token), little next to the
+session streams spread over every node. A frontend's wake-up stream carries
+its own id as tag, spreading frontends over the nodes.
 """
 
 from __future__ import annotations
@@ -11,11 +17,12 @@ from __future__ import annotations
 PREFIX = "wsinfer"
 
 # The work queue every engine reads through one consumer group.
-REQUESTS = f"{PREFIX}:requests"
+QUEUE_TAG = "{q}"
+REQUESTS = f"{PREFIX}:{QUEUE_TAG}:requests"
 ENGINE_GROUP = "engines"
 REQUESTS_MAXLEN = 100_000
 # Sorted set: engine id -> last heartbeat (unix seconds).
-ENGINES = f"{PREFIX}:engines"
+ENGINES = f"{PREFIX}:{QUEUE_TAG}:engines"
 
 
 def meta(session: str) -> str:
@@ -45,12 +52,22 @@ def turn_stream(session: str, turn: int) -> str:
 
 def engine_requests(engine_id: str) -> str:
     """Work routed to one engine because it holds the session's KV cache."""
-    return f"{PREFIX}:engine:{engine_id}:requests"
+    return f"{PREFIX}:{QUEUE_TAG}:engine:{engine_id}:requests"
 
 
 def frontend_wake(frontend_id: str) -> str:
     """Stream a frontend adds to so its own blocking fan-in XREAD returns early."""
-    return f"{PREFIX}:frontend:{frontend_id}:wake"
+    return f"{PREFIX}:{{{frontend_id}}}:frontend:wake"
+
+
+def session_wake(session: str) -> str:
+    """Sharded pub/sub channel: "this session's stream grew" (cluster fan-in wake-ups)."""
+    return f"{PREFIX}:{{{session}}}:wake"
+
+
+def session_of(key: str) -> str:
+    """The session id in a per-session key (its hash tag)."""
+    return key[key.index("{") + 1 : key.index("}")]
 
 
 def session_keys(session: str, turns: int) -> list[str]:

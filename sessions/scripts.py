@@ -4,6 +4,10 @@ Each script touches only one session's keys (one hash slot), so they run on
 Redis Cluster too. The legal statuses come in as arguments computed from
 ``states.TRANSITIONS``; no script hard-codes the state machine.
 
+Scripts that append to a turn's stream also SPUBLISH on the session's wake
+channel (its third KEY, same slot): on a cluster the frontends' fan-in waits on
+those channels, one connection per node, since one XREAD cannot span slots.
+
 Replies are flat arrays whose first element says what happened:
 ``ok``, ``not_found`` (no such session, or wrong token), ``illegal`` (then the
 current status), ``stale`` (the session moved on to another turn) or
@@ -65,7 +69,7 @@ return {'ok'}
 # allowed statuses include the current one is applied. A client acting on a
 # session is watching it: seen_at is renewed, so a resumed turn is not taken
 # for idle the moment an engine claims it.
-# KEYS: meta, turn_stream
+# KEYS: meta, turn_stream, session_wake
 # ARGV: token_hash, turn, ttl, now, n, then n times (allowed_from, target, effect)
 # effects: control:<value> | done_cancelled | paused | requeue
 CONTROL = (
@@ -86,8 +90,10 @@ for i = 0, tonumber(ARGV[5]) - 1 do
       redis.call('HSET', meta, 'control', string.sub(effect, 9))
     elseif effect == 'done_cancelled' then
       cancel(meta, KEYS[2], seq, to)
+      redis.call('SPUBLISH', KEYS[3], seq)
     elseif effect == 'paused' then
       redis.call('XADD', KEYS[2], '*', 'm', cmsgpack.pack({kind = 'paused', seq = seq}))
+      redis.call('SPUBLISH', KEYS[3], seq)
     elseif effect == 'requeue' then
       redis.call('HSET', meta, 'control', '')
     end
@@ -137,7 +143,7 @@ return reply
 # decided to pause, idle or asked to, before it saw the stop flag) is applied
 # here: the turn goes paused --stop--> done at once, with a cancelled done in
 # place of the paused event, instead of the pause silently dropping the stop.
-# KEYS: meta, turn_stream
+# KEYS: meta, turn_stream, session_wake
 # ARGV: engine_id, epoch, ttl, seq, final_allowed_from ('' = not final),
 #       final_target, stop_allowed_from, stop_target ('' = no pending stop to
 #       apply), n_events, events..., then field/value pairs to set (``pub``:
@@ -176,6 +182,7 @@ elseif final then
   redis.call('HSET', meta, 'status', ARGV[6], 'control', '')
 end
 if final then redis.call('HSET', meta, 'engine', '') end
+if written > 0 or stop_pending then redis.call('SPUBLISH', KEYS[3], ARGV[4]) end
 redis.call('EXPIRE', meta, ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return {'ok', redis.call('HGET', meta, 'control'), redis.call('HGET', meta, 'seen_at')}

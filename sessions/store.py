@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from wsinfer.sessions import keys, scripts
+from wsinfer.sessions.connect import ScriptCall, is_cluster, run_scripts_async
 from wsinfer.sessions.connection import queue_script, run_pipeline
 from wsinfer.sessions.schema import (
     GenerationParams,
@@ -147,15 +148,20 @@ class SessionStore:
             status_from,
             target(Action.START).value,
         ]
+        item = encode(TurnRequest(session, turn))
+        if is_cluster(self.redis):  # the queue lives on another node: two calls
+            reply = await self._start(keys=script_keys, args=args)
+            await self.redis.xadd(queue, item, maxlen=keys.REQUESTS_MAXLEN)
+        else:
 
-        def build(pipe: Pipeline) -> None:
-            queue_script(pipe, self._start, script_keys, args)
-            pipe.xadd(queue, encode(TurnRequest(session, turn)), maxlen=keys.REQUESTS_MAXLEN)
+            def build(pipe: Pipeline) -> None:
+                queue_script(pipe, self._start, script_keys, args)
+                pipe.xadd(queue, item, maxlen=keys.REQUESTS_MAXLEN)
 
-        reply, queued = await run_pipeline(self.redis, build, [self._start])
-        for result in (reply, queued):
-            if isinstance(result, Exception):
-                raise result
+            reply, queued = await run_pipeline(self.redis, build, [self._start])
+            for result in (reply, queued):
+                if isinstance(result, Exception):
+                    raise result
         outcome = [as_str(v) for v in reply]
         if outcome[0] == "not_found":
             raise SessionNotFound(session)
@@ -211,7 +217,12 @@ class SessionStore:
         reply = [
             as_str(v)
             for v in await self._control(
-                keys=[keys.meta(session), keys.turn_stream(session, turn)], args=args
+                keys=[
+                    keys.meta(session),
+                    keys.turn_stream(session, turn),
+                    keys.session_wake(session),
+                ],
+                args=args,
             )
         ]
         if reply[0] == "not_found":
@@ -240,20 +251,18 @@ class SessionStore:
             raise SessionNotFound(session)
 
     async def touch(self, sessions: dict[str, int]) -> list[str]:
-        """Mark followed sessions as watched and push back their expiry (one round trip).
+        """Mark followed sessions as watched and push back their expiry (one round trip
+        per Redis node).
 
         Returns the sessions that no longer exist (closed, expired, or lost
         with a Redis that restarted without persistence).
         """
         now = time.time()
-
-        def build(pipe: Pipeline) -> None:
-            for session, turns in sessions.items():
-                queue_script(
-                    pipe, self._touch, keys.session_keys(session, turns), [now, self.ttl_s]
-                )
-
-        replies = await run_pipeline(self.redis, build, [self._touch])
+        calls: list[ScriptCall] = [
+            (self._touch, keys.session_keys(session, turns), [now, self.ttl_s])
+            for session, turns in sessions.items()
+        ]
+        replies = await run_scripts_async(self.redis, calls)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply

@@ -15,7 +15,7 @@ import msgpack
 import redis
 
 from wsinfer.sessions import keys, scripts
-from wsinfer.sessions.connection import queue_script, run_pipeline_sync
+from wsinfer.sessions.connect import ScriptCall, run_scripts
 from wsinfer.sessions.schema import (
     DeltaEvent,
     DoneEvent,
@@ -282,13 +282,19 @@ class WorkerStore:
 
     def publish_many(self, publishes: list[Publish]) -> list[PublishResult]:
         """One round trip for a whole step's events, each fenced by its epoch."""
-
-        def build(pipe: Any) -> None:
-            for item in publishes:
-                script_keys = [keys.meta(item.session), keys.turn_stream(item.session, item.turn)]
-                queue_script(pipe, self._publish, script_keys, self._publish_args(item))
-
-        replies = run_pipeline_sync(self.redis, build, [self._publish])
+        calls: list[ScriptCall] = [
+            (
+                self._publish,
+                [
+                    keys.meta(item.session),
+                    keys.turn_stream(item.session, item.turn),
+                    keys.session_wake(item.session),
+                ],
+                self._publish_args(item),
+            )
+            for item in publishes
+        ]
+        replies = run_scripts(self.redis, calls)
         return [self._publish_result(reply) for reply in replies]
 
     def _publish_args(self, item: Publish) -> list[Any]:

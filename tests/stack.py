@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis
 from websockets.asyncio.client import ClientConnection, connect
 
 from wsinfer.sessions import keys
+from wsinfer.sessions.connect import sync_client
 
 
 @dataclass
@@ -87,7 +87,7 @@ def wait_for_engine(
     redis_url: str, engine_id: str, process: subprocess.Popen[bytes], timeout_s: float = 120
 ) -> None:
     """Until the engine's first heartbeat is in Redis (its model is loaded)."""
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if client.zscore(keys.ENGINES, engine_id) is not None:

@@ -34,7 +34,7 @@ from wsinfer.errors import (
     WsinferError,
     to_protocol_error,
 )
-from wsinfer.fanin import FanIn
+from wsinfer.fanin import make_fanin
 from wsinfer.handlers import Handlers
 from wsinfer.http.app import HttpApp
 from wsinfer.http.door import front_door
@@ -86,7 +86,7 @@ class Frontend:
         self.capacity = CapacityGate(
             lambda: self.store.capacity(config.engine_heartbeat_s), config.max_queued_turns
         )
-        self.fanin = FanIn(self.fanin_redis, self.id)
+        self.fanin = make_fanin(self.fanin_redis, self.id)
         self.metrics = Metrics(lambda: self.connections)
         self.connections: set[Connection] = set()
         self.log_throttle = LogThrottle()

@@ -1,0 +1,175 @@
+"""A real Redis Cluster on localhost for tests: N primaries (and replicas), free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel hands out now; the cluster bus uses port + 10000, so keep them low."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port + 10000 < 65536 and port not in ports and _free(port + 10000):
+            ports.append(port)
+    return ports
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class LocalCluster:
+    """``redis-server --cluster-enabled yes`` processes joined by ``redis-cli --cluster create``."""
+
+    state_dir: Path
+    primaries: int = 3
+    replicas: int = 0
+    node_timeout_ms: int = 1000
+    ports: list[int] = field(default_factory=list)
+    processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start(self) -> None:
+        self.ports = free_ports(self.primaries * (1 + self.replicas))
+        for port in self.ports:
+            self.start_node(port)
+        for port in self.ports:
+            _wait_ping(port)
+        command = ["redis-cli", "--cluster", "create"]
+        command += [f"127.0.0.1:{p}" for p in self.ports]
+        command += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
+        subprocess.run(command, check=True, capture_output=True, timeout=60)
+        self.wait_ok()
+
+    def start_node(self, port: int) -> None:
+        node_dir = self.state_dir / str(port)
+        node_dir.mkdir(parents=True, exist_ok=True)
+        command = [
+            "redis-server",
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(self.node_timeout_ms),
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(node_dir),
+            "--logfile", str(node_dir / "redis.log"),
+        ]  # fmt: skip
+        self.processes[port] = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+    def wait_ok(self, timeout_s: float = 30) -> None:
+        """Until every live node says cluster_state:ok and agrees on all slots."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(self._node_ok(p) for p, proc in self.processes.items() if proc.poll() is None):
+                return
+            time.sleep(0.1)
+        raise TimeoutError("cluster did not become ok")
+
+    def _node_ok(self, port: int) -> bool:
+        with contextlib.suppress(redis.RedisError):
+            client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+            info: Any = client.execute_command("CLUSTER INFO")
+            return str(info.get("cluster_state")) == "ok" and int(info["cluster_slots_ok"]) == 16384
+        return False
+
+    def primary_of(self, key: str) -> int:
+        client = redis.Redis(host="127.0.0.1", port=self.ports[0], socket_timeout=5)
+        slot = int(client.execute_command("CLUSTER KEYSLOT", key))
+        for start, end, primary, *_ in client.execute_command("CLUSTER SLOTS"):
+            if start <= slot <= end:
+                return int(primary[1])
+        raise LookupError(key)
+
+    def kill(self, port: int) -> None:
+        self.processes[port].kill()
+        self.processes[port].wait()
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+def _wait_ping(port: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+    while time.monotonic() < deadline:
+        with contextlib.suppress(redis.ConnectionError):
+            if client.ping():
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"redis-server on {port} did not start")
+
+
+# --- fixtures: a module imports these to run its tests on a cluster ----------
+
+needs_cluster_tools = pytest.mark.skipif(
+    shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
+    reason="needs redis-server and redis-cli",
+)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """3 primaries, each with a replica (failover needs one), for a whole module."""
+    cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="wsinfer-cluster-")), replicas=1)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_url(cluster: LocalCluster) -> str:
+    """The cluster, emptied: every test starts from no keys."""
+    cluster.wait_ok()
+    for port, process in cluster.processes.items():
+        if process.poll() is not None:
+            continue
+        client = redis.Redis(host="127.0.0.1", port=port)
+        if client.execute_command("ROLE")[0] == b"master":
+            client.flushall()
+        client.close()
+    return cluster.url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    from wsinfer.sessions.connect import sync_client
+
+    client = sync_client(redis_url)
+    yield client
+    client.close()
