@@ -149,11 +149,21 @@ class EngineProcess:
             if claimed is None:
                 self.store.ack(item)  # stale or duplicate: nothing to run
                 continue
+            if f"{claimed.session}:{claimed.turn}" in self.active:
+                self._reclaimed(item, claimed)
+                continue
             try:
                 self._start(item, claimed, takeover)
             except Exception as exc:  # a broken turn must not take the engine down
                 log.exception("cannot start turn", session=claimed.session, turn=claimed.turn)
                 self._fail(item, claimed, exc)
+
+    def _reclaimed(self, item: WorkItem, claimed: ClaimedTurn) -> None:
+        """Our own running turn, taken over by us after Redis was unreachable
+        longer than the lease: carry on under the new claim. Had Redis lost our
+        last publishes, the next one reports a gap and the turn is rebuilt."""
+        turn = self.active[f"{claimed.session}:{claimed.turn}"]
+        turn.epoch, turn.work = claimed.epoch, item
 
     def _start(self, item: WorkItem, claimed: ClaimedTurn, takeover: bool = False) -> None:
         session, turn = claimed.session, claimed.turn
@@ -315,8 +325,10 @@ class EngineProcess:
             fields["kv_len"] = out.kv_len or 0
             # Kept for a stop that ends the turn later without the engine (paused, then stopped).
             fields["cached_tokens"] = out.usage.cached_tokens if out.usage else 0
-        turn.seq = out.num_generated
-        return Publish(turn.session, turn.turn, turn.epoch, out.num_generated, events, fields)
+        prev_seq, turn.seq = turn.seq, out.num_generated
+        return Publish(
+            turn.session, turn.turn, turn.epoch, out.num_generated, events, fields, prev_seq
+        )
 
     def _after_publish(self, request_id: str, item: Publish, outcome: str) -> None:
         turn = self.active[request_id]
@@ -328,7 +340,11 @@ class EngineProcess:
             self.metrics.forget(request_id)
             if item.final_action is None:
                 gone = outcome == "not_found"
-                self._drop(request_id, forget_cache=gone, ack=outcome != "fenced")
+                # A gap (Redis lost our last writes in a failover) is not
+                # acked either: the lease runs out and the turn is rebuilt
+                # from what the token log really holds.
+                keep = outcome in ("fenced", "gap")
+                self._drop(request_id, forget_cache=gone, ack=not keep)
             else:
                 self._forget(request_id)
             return

@@ -16,6 +16,7 @@ scripts, multi-stream reads) asks ``is_cluster`` and goes its own way.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -29,6 +30,7 @@ import redis.cluster
 import redis.sentinel
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ClusterDownError
 from redis.retry import Retry
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -37,6 +39,7 @@ SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 # seconds): commands retry with backoff for about that long before failing.
 FAILOVER_RETRIES = 12
 FAILOVER_BACKOFF_CAP_S = 1.0
+FAILOVER_WINDOW_S = 15.0  # a script call is retried this long before its error stands
 
 
 @dataclass(frozen=True)
@@ -113,12 +116,19 @@ def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
         return aioredis.from_url(url, **kwargs)
     if target.kind == "cluster":
         nodes = [acluster.ClusterNode(h, p) for h, p in target.nodes]
-        client = acluster.RedisCluster(
-            startup_nodes=nodes, retry=_async_retry(), **_auth(target), **kwargs
-        )
+        # redis-py's own retry policy: a custom one here made concurrent
+        # commands on a fresh client share a connection and run twice.
+        client = acluster.RedisCluster(startup_nodes=nodes, **_auth(target), **kwargs)
         return cast(aioredis.Redis, client)
     sentinel = asentinel.Sentinel(target.nodes, sentinel_kwargs=_sentinel_auth(target), **kwargs)
     return sentinel.master_for(target.service, retry=_async_retry(), **_auth(target, db=True))
+
+
+async def ready(client: aioredis.Redis) -> None:
+    """Learn a cluster's slot map before the first concurrent commands: redis-py
+    8.1 can run a command twice when many race to initialise a fresh client."""
+    if is_cluster(client):
+        await cast(acluster.RedisCluster, client).initialize()
 
 
 def async_node_client(cluster: aioredis.Redis, host: str, port: int) -> aioredis.Redis:
@@ -176,17 +186,33 @@ def run_scripts(client: redis.Redis, calls: list[ScriptCall]) -> list[Any]:
         _run_on_node(nodes[name].redis_connection, calls, indexes, replies)
     for index, reply in enumerate(replies):
         if isinstance(reply, redis.RedisError):
-            script, keys, args = calls[index]
-            try:
-                replies[index] = script(keys=keys, args=args)
-            except redis.RedisError as exc:
-                replies[index] = exc
+            replies[index] = _retry_alone(calls[index])
     return replies
 
 
 def _distinct(calls: list[ScriptCall]) -> list[Any]:
     """The scripts ``calls`` use, each once (to load before the pipeline)."""
     return list({script.sha: script for script, _, _ in calls}.values())
+
+
+def _retry_alone(call: ScriptCall) -> Any:
+    """One call through the cluster client, again while a failover is under way.
+
+    Safe to repeat: the session scripts recognise a call that already took
+    effect (the publish's ``pub`` number), so a reply lost with its connection
+    does not write twice.
+    """
+    script, keys, args = call
+    deadline = time.monotonic() + FAILOVER_WINDOW_S
+    while True:
+        try:
+            return script(keys=keys, args=args)
+        except (redis.ConnectionError, redis.TimeoutError, ClusterDownError) as exc:
+            if time.monotonic() > deadline:
+                return exc
+            time.sleep(0.25)
+        except redis.RedisError as exc:
+            return exc
 
 
 def _run_on_node(

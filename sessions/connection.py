@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.exceptions import ClusterDownError, TryAgainError
 
 from wsinfer.sessions import connect
 
@@ -44,6 +45,8 @@ def is_outage(exc: BaseException) -> bool:
     """True for a lost or refused connection; also the empty replica a
     restarted Redis without persistence is while it loads (BUSY/LOADING)."""
     if isinstance(exc, OUTAGE_ERRORS):
+        return True
+    if isinstance(exc, ClusterDownError | TryAgainError):  # a cluster failing over
         return True
     return isinstance(exc, redis.ResponseError) and str(exc).startswith(("LOADING", "BUSY"))
 

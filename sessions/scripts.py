@@ -143,8 +143,12 @@ return reply
 # decided to pause, idle or asked to, before it saw the stop flag) is applied
 # here: the turn goes paused --stop--> done at once, with a cancelled done in
 # place of the paused event, instead of the pause silently dropping the stop.
+# The publish continues from prev_seq: a session whose seq is not that lost
+# writes in a Redis failover (``gap``: the engine must rebuild the turn from
+# the token log rather than leave a hole in the stream).
 # KEYS: meta, turn_stream, session_wake
-# ARGV: engine_id, epoch, ttl, seq, final_allowed_from ('' = not final),
+# ARGV: engine_id, epoch, ttl, seq, prev_seq ('' = unchecked),
+#       final_allowed_from ('' = not final),
 #       final_target, stop_allowed_from, stop_target ('' = no pending stop to
 #       apply), n_events, events..., then field/value pairs to set (``pub``:
 #       the engine's publish number for this claim, for idempotent retries)
@@ -153,11 +157,11 @@ PUBLISH = (
     + """
 local meta = KEYS[1]
 if redis.call('EXISTS', meta) == 0 then return {'not_found'} end
-local n = tonumber(ARGV[9])
+local n = tonumber(ARGV[10])
 -- A retry of a publish Redis already took (the reply was lost to an outage)
 -- is acknowledged without writing anything twice.
 local pub = nil
-for i = 10 + n, #ARGV, 2 do if ARGV[i] == 'pub' then pub = tonumber(ARGV[i + 1]) end end
+for i = 11 + n, #ARGV, 2 do if ARGV[i] == 'pub' then pub = tonumber(ARGV[i + 1]) end end
 if pub and redis.call('HGET', meta, 'epoch') == ARGV[2]
   and (tonumber(redis.call('HGET', meta, 'pub')) or 0) >= pub then
   return {'ok', redis.call('HGET', meta, 'control'), redis.call('HGET', meta, 'seen_at')}
@@ -166,20 +170,22 @@ if redis.call('HGET', meta, 'engine') ~= ARGV[1] or redis.call('HGET', meta, 'ep
 then
   return {'fenced'}
 end
-local final = ARGV[5] ~= ''
+local have = tonumber(redis.call('HGET', meta, 'seq')) or 0
+if ARGV[5] ~= '' and have ~= tonumber(ARGV[5]) then return {'gap', tostring(have)} end
+local final = ARGV[6] ~= ''
 local status = redis.call('HGET', meta, 'status')
-if final and not allowed(status, ARGV[5]) then return {'illegal', status} end
-local stop_pending = final and ARGV[8] ~= '' and redis.call('HGET', meta, 'control') == 'stop'
-  and allowed(ARGV[6], ARGV[7])
+if final and not allowed(status, ARGV[6]) then return {'illegal', status} end
+local stop_pending = final and ARGV[9] ~= '' and redis.call('HGET', meta, 'control') == 'stop'
+  and allowed(ARGV[7], ARGV[8])
 local written = n
 if stop_pending then written = n - 1 end  -- the paused event gives way to the done
-for i = 1, written do redis.call('XADD', KEYS[2], '*', 'm', ARGV[9 + i]) end
+for i = 1, written do redis.call('XADD', KEYS[2], '*', 'm', ARGV[10 + i]) end
 redis.call('HSET', meta, 'seq', ARGV[4])
-for i = 10 + n, #ARGV, 2 do redis.call('HSET', meta, ARGV[i], ARGV[i + 1]) end
+for i = 11 + n, #ARGV, 2 do redis.call('HSET', meta, ARGV[i], ARGV[i + 1]) end
 if stop_pending then
-  cancel(meta, KEYS[2], tonumber(ARGV[4]), ARGV[8])
+  cancel(meta, KEYS[2], tonumber(ARGV[4]), ARGV[9])
 elseif final then
-  redis.call('HSET', meta, 'status', ARGV[6], 'control', '')
+  redis.call('HSET', meta, 'status', ARGV[7], 'control', '')
 end
 if final then redis.call('HSET', meta, 'engine', '') end
 if written > 0 or stop_pending then redis.call('SPUBLISH', KEYS[3], ARGV[4]) end

@@ -72,6 +72,7 @@ class Publish:
     seq: int
     events: list[TurnEvent]
     fields: dict[str, Any] = field(default_factory=dict)
+    prev_seq: int | None = None  # the seq this continues from; None: unchecked
 
     @property
     def final_action(self) -> Action | None:
@@ -85,7 +86,7 @@ class Publish:
 
 @dataclass(frozen=True)
 class PublishResult:
-    outcome: str  # ok | fenced | not_found | illegal
+    outcome: str  # ok | fenced | not_found | illegal | gap
     control: str = ""
     seen_at: float = 0.0
 
@@ -307,6 +308,7 @@ class WorkerStore:
             item.epoch,
             self.ttl_s,
             item.seq,
+            "" if item.prev_seq is None else item.prev_seq,
             _csv(allowed_from(final)) if final else "",
             target(final).value if final else "",
             _csv(allowed_from(Action.STOP)) if stop else "",

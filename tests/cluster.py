@@ -101,16 +101,33 @@ class LocalCluster:
         return False
 
     def primary_of(self, key: str) -> int:
-        client = redis.Redis(host="127.0.0.1", port=self.ports[0], socket_timeout=5)
+        client = redis.Redis(host="127.0.0.1", port=self.live_port(), socket_timeout=5)
         slot = int(client.execute_command("CLUSTER KEYSLOT", key))
         for start, end, primary, *_ in client.execute_command("CLUSTER SLOTS"):
             if start <= slot <= end:
                 return int(primary[1])
         raise LookupError(key)
 
+    def live_port(self) -> int:
+        return next(p for p, proc in self.processes.items() if proc.poll() is None)
+
     def kill(self, port: int) -> None:
         self.processes[port].kill()
         self.processes[port].wait()
+
+    def wait_failover(self, dead: int, timeout_s: float = 30) -> None:
+        """Until a live node reports the slots of ``dead`` served by another primary."""
+        live = self.live_port()
+        client = redis.Redis(host="127.0.0.1", port=live, socket_timeout=2)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.RedisError):
+                slots: Any = client.execute_command("CLUSTER SLOTS")
+                owners = {int(primary[1]) for _, _, primary, *_ in slots}
+                if dead not in owners and self._node_ok(live):
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"no replica took over from {dead}")
 
     def stop(self) -> None:
         for process in self.processes.values():

@@ -149,7 +149,7 @@ class ClusterFanIn(FanIn):
     async def _read(self, streams: list[str]) -> None:
         if not streams:
             return
-        positions = {s: self.streams[s].position() for s in streams}
+        positions: dict[str, Any] = {s: self.streams[s].position() for s in streams}
         wanted = [s for s in streams if positions[s] is not None]  # None: all paused
         if not wanted:
             return

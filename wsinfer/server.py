@@ -96,6 +96,8 @@ class Frontend:
         self.server: Server | None = None
 
     async def start(self) -> Server:
+        await ready(self.redis)
+        await ready(self.fanin_redis)
         self._tasks = [asyncio.create_task(self.fanin.run()), asyncio.create_task(self._touch())]
         self.server = await serve(
             self._handle,

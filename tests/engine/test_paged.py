@@ -47,9 +47,7 @@ def staggered(core: EngineCore, tiny: LoadedModel, lengths: list[int]) -> dict[s
     [
         EngineConfig(max_batch_size=4, prefill_chunk_tokens=16, async_steps=True),
         EngineConfig(max_batch_size=4, prefill_chunk_tokens=16, cuda_graphs=True),
-        EngineConfig(
-            max_batch_size=4, prefill_chunk_tokens=16, cuda_graphs=True, async_steps=True
-        ),
+        EngineConfig(max_batch_size=4, prefill_chunk_tokens=16, cuda_graphs=True, async_steps=True),
     ],
     ids=["async", "graph-buckets", "graph-buckets-async"],
 )
