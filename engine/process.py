@@ -47,6 +47,9 @@ class ProcessConfig:
     poll_interval_s: float = 0.05
     idle_block_ms: int = 1000
     drain: bool = False  # exit once there is no more work (tests, batch jobs)
+    # SIGTERM: take no new turns, finish running ones for up to this long, then
+    # hand the rest to the other engines at once (a rolling restart).
+    drain_grace_s: float = 30.0
     exit_with_parent: bool = False
     metrics_port: int | None = None  # serve /metrics here (0: any free port)
     metrics_host: str = "127.0.0.1"
@@ -82,6 +85,7 @@ class EngineProcess:
         self.active: dict[str, ActiveTurn] = {}
         self.discard: set[str] = set()  # aborted because the turn is no longer ours
         self._stopping = False
+        self._drain_deadline: float | None = None  # set by SIGTERM
         self._parent = os.getppid()
         self._next_heartbeat = 0.0
         self._next_takeover = 0.0
@@ -101,27 +105,44 @@ class EngineProcess:
                 if self._guard.run(self._iteration) is False:
                     break
         finally:
-            # Unfinished turns are not acked: their leases expire and another
-            # engine takes them over from the token log.
+            # Unfinished turns go back on our own queue, which the other
+            # engines drain as soon as we deregister: they take over from the
+            # token log without waiting for a lease to run out. If Redis is
+            # gone too, the leases expire and the same happens later.
             try:
+                held = [t.work for rid, t in self.active.items() if rid not in self.discard]
+                self.store.release(held)
                 self.store.deregister()
             except redis.RedisError:  # Redis went first; our heartbeat will just age out
                 log.warning("could not deregister", engine=self.config.engine_id)
             log.info("engine stopped", engine=self.config.engine_id, left=len(self.active))
 
-    def _request_stop(self, *_: Any) -> None:
-        self._stopping = True
+    def _request_stop(self, signum: int = signal.SIGINT, *_: Any) -> None:
+        if signum == signal.SIGTERM and self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self.config.drain_grace_s
+            log.info("draining", engine=self.config.engine_id, running=len(self.active))
+        else:  # Ctrl-C, or a second SIGTERM: hand everything over now
+            self._stopping = True
+
+    def _drained(self) -> bool:
+        """Draining and either nothing runs any more or the grace period is over."""
+        if self._drain_deadline is None:
+            return False
+        return not self.active or time.monotonic() >= self._drain_deadline
 
     def _iteration(self) -> bool:
         now = time.monotonic()
         if now >= self._next_heartbeat:
             self._heartbeat(now)
-        if now >= self._next_takeover:
+        if self._drained():
+            return False
+        draining = self._drain_deadline is not None
+        if now >= self._next_takeover and not draining:
             self._next_takeover = now + self.config.lease_ms / 2000
             self._admit(self.store.take_over_expired(self.config.lease_ms, self._capacity()), True)
         busy = self.core.has_unfinished()
         block = None if busy else self.config.idle_block_ms
-        if self._capacity() > 0:
+        if self._capacity() > 0 and not draining:
             self._admit(self.store.read_work(self._capacity(), block), False)
         if self._unpublished:  # never step past output Redis has not taken
             self._publish(self._unpublished)

@@ -153,6 +153,18 @@ class WorkerStore:
             return True
         return all(not g.get("pending") and not g.get("lag") for g in groups)
 
+    def release(self, items: list[WorkItem]) -> None:
+        """Give up unfinished turns: each goes back on this engine's own queue
+        (acked where it came from), which the other engines drain as soon as
+        this engine is deregistered, claiming each turn as a takeover."""
+        if not items:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for item in items:  # both queues share one slot: fine on a cluster
+            pipe.xadd(self.own_queue, encode(item.request), maxlen=keys.REQUESTS_MAXLEN)
+            pipe.xack(item.stream, keys.ENGINE_GROUP, item.entry_id)
+        pipe.execute()
+
     def read_work(self, count: int, block_ms: int | None) -> list[WorkItem]:
         streams = {self.own_queue: ">", keys.REQUESTS: ">"}  # our own (cache hits) first
         return self._read_group(streams, count, block_ms)

@@ -57,16 +57,17 @@ class Stack:
     def wait_for_engine(self, engine_id: str, process: subprocess.Popen[bytes]) -> None:
         wait_for_engine(self.redis_url, engine_id, process)
 
-    def start_frontend(self, *extra: str) -> tuple[subprocess.Popen[bytes], int]:
-        process = self._spawn("frontend", "--port", "0", *extra)
+    def start_frontend(self, *extra: str, port: int = 0) -> tuple[subprocess.Popen[bytes], int]:
+        process = self._spawn("frontend", "--port", str(port), *extra)
         assert process.stdout is not None
         port = port_from_banner(process.stdout.readline(), "frontend")
         return process, port
 
     def stop(self) -> None:
+        # SIGINT, not SIGTERM: an engine's SIGTERM drains running turns first.
         for process in self.processes:
             if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+                process.send_signal(signal.SIGINT)
         for process in self.processes:
             try:
                 process.wait(15)

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import sys
 from typing import Any
 
@@ -220,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--engine-id", default=_env("ENGINE_ID"))
     engine.add_argument("--lease-ms", type=_positive_int, default=_env("LEASE_MS", "10000"))
     engine.add_argument("--drain", action="store_true", help="exit when no work is left")
+    engine.add_argument(
+        "--drain-grace",
+        type=float,
+        default=_env("DRAIN_GRACE", "30"),
+        help="on SIGTERM, seconds to finish running turns before handing them over",
+    )
     engine.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     _add_common(engine)
 
@@ -299,16 +306,25 @@ def run_frontend(args: argparse.Namespace) -> int:
     async def main() -> None:
         frontend = Frontend(_frontend_config(args, args.redis_url))
         try:
-            server = await start_frontend(frontend)
+            await start_frontend(frontend)
             url = f"ws://{args.host}:{frontend.port}/v1/ws"
             announce(f"wsinfer: frontend on {url}", url=url)
-            await server.serve_forever()
+            await _until_terminated()
+            await frontend.drain()  # SIGTERM or Ctrl-C: a rolling restart
         finally:
             await frontend.stop()
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())
     return 0
+
+
+async def _until_terminated() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -324,6 +340,7 @@ def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         idle_pause_s=args.idle_pause,
         session_ttl_s=args.session_ttl,
         drain=args.drain,
+        drain_grace_s=args.drain_grace,
         exit_with_parent=args.exit_with_parent,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

@@ -47,6 +47,10 @@ from wsinfer.sessions.store import SessionStore
 
 log = structlog.get_logger("wsinfer.frontend")
 
+# The close code of a frontend that is shutting down for a restart (RFC 6455's
+# registry: 1012 Service Restart): reconnect, to another frontend, and resume.
+SERVICE_RESTART = 1012
+
 # Resolved through the package, so it works installed as well as editable.
 BROWSER_DIR = Path(str(files("wsinfer.clients") / "browser"))
 
@@ -94,6 +98,7 @@ class Frontend:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self.server: Server | None = None
+        self.draining = False
 
     async def start(self) -> Server:
         await ready(self.redis)
@@ -118,6 +123,17 @@ class Frontend:
     def port(self) -> int:
         assert self.server is not None
         return int(self.server.sockets[0].getsockname()[1])
+
+    async def drain(self) -> None:
+        """A rolling restart: stop accepting, then close every WebSocket with
+        1012 (service restart) so that clients reconnect, through the load
+        balancer, to another frontend and resume. Nothing is lost: a turn's
+        state is in Redis and the engines keep generating meanwhile."""
+        self.draining = True
+        if self.server is not None:
+            log.info("draining", frontend=self.id, connections=len(self.connections))
+            self.server.close(code=SERVICE_RESTART, reason="service restart")
+            await self.server.wait_closed()
 
     async def stop(self) -> None:
         self._closing = True  # a cancel that redis-py swallows must not keep _touch looping
@@ -211,6 +227,8 @@ class Frontend:
         return any(secrets.compare_digest(offered, key) for key in self.config.api_keys)
 
     async def _healthz(self) -> Response:
+        if self.draining:
+            return _text(HTTPStatus.SERVICE_UNAVAILABLE, "draining\n")
         try:
             await self.redis.ping()
             engines = await self.store.engines_alive(self.config.engine_heartbeat_s)
