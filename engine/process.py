@@ -105,12 +105,12 @@ class EngineProcess:
                 if self._guard.run(self._iteration) is False:
                     break
         finally:
-            # Unfinished turns go back on our own queue, which the other
-            # engines drain as soon as we deregister: they take over from the
-            # token log without waiting for a lease to run out. If Redis is
-            # gone too, the leases expire and the same happens later.
+            # Unfinished turns go back to the shared queue: another engine
+            # claims each at once and continues it from the token log, without
+            # waiting for a lease to run out. If Redis is gone too, the leases
+            # expire and the same happens later.
             try:
-                held = [t.work for rid, t in self.active.items() if rid not in self.discard]
+                held = [(t.work, t.epoch) for r, t in self.active.items() if r not in self.discard]
                 self.store.release(held)
                 self.store.deregister()
             except redis.RedisError:  # Redis went first; our heartbeat will just age out

@@ -217,3 +217,24 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 return {'ok'}
 """
 )
+
+# Engine: give a running turn back (drain): queued again, no engine, so that
+# any engine claims it at once from the shared queue and rebuilds it from the
+# token log. Fenced like a publish: a turn taken over meanwhile is not ours.
+# KEYS: meta
+# ARGV: engine_id, epoch, allowed_from, target
+RELEASE = (
+    _PRELUDE
+    + """
+local meta = KEYS[1]
+if redis.call('EXISTS', meta) == 0 then return {'not_found'} end
+if redis.call('HGET', meta, 'engine') ~= ARGV[1] or redis.call('HGET', meta, 'epoch') ~= ARGV[2]
+then
+  return {'fenced'}
+end
+local status = redis.call('HGET', meta, 'status')
+if not allowed(status, ARGV[3]) then return {'illegal', status} end
+redis.call('HSET', meta, 'status', ARGV[4], 'engine', '')
+return {'ok'}
+"""
+)

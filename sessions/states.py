@@ -8,7 +8,7 @@ computed here, and refuses anything else. A refused action raises
 ``conflict``.
 
     (new) --start--> queued --claim--> running --finish--> done --start--> queued
-                       |                 |  ^ takeover        ^
+                       |  ^--release-----+  ^ takeover        ^
                        |                 +--engine_pause--> paused --resume--> queued
                        +--pause------------------------------^  |
     queued/paused --stop--> done                              +--stop--> done
@@ -44,6 +44,7 @@ class Action(str, Enum):
     RESUME = "resume"  # client: continue a paused turn
     REQUEST_PAUSE = "request_pause"  # client: ask the engine to pause a running turn
     REQUEST_STOP = "request_stop"  # client: ask the engine to stop a running turn
+    RELEASE = "release"  # engine: hand a running turn back to the queue (drain on SIGTERM)
 
 
 TRANSITIONS: dict[tuple[Status, Action], Status] = {
@@ -59,6 +60,7 @@ TRANSITIONS: dict[tuple[Status, Action], Status] = {
     (Status.PAUSED, Action.RESUME): Status.QUEUED,
     (Status.RUNNING, Action.REQUEST_PAUSE): Status.RUNNING,
     (Status.RUNNING, Action.REQUEST_STOP): Status.RUNNING,
+    (Status.RUNNING, Action.RELEASE): Status.QUEUED,
 }
 
 

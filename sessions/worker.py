@@ -100,6 +100,7 @@ class WorkerStore:
         self.ttl_s = ttl_s
         self._claim = client.register_script(scripts.CLAIM)
         self._publish = client.register_script(scripts.PUBLISH)
+        self._release = client.register_script(scripts.RELEASE)
 
     # --- the work queue -------------------------------------------------
     #
@@ -153,17 +154,26 @@ class WorkerStore:
             return True
         return all(not g.get("pending") and not g.get("lag") for g in groups)
 
-    def release(self, items: list[WorkItem]) -> None:
-        """Give up unfinished turns: each goes back on this engine's own queue
-        (acked where it came from), which the other engines drain as soon as
-        this engine is deregistered, claiming each turn as a takeover."""
-        if not items:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for item in items:  # both queues share one slot: fine on a cluster
-            pipe.xadd(self.own_queue, encode(item.request), maxlen=keys.REQUESTS_MAXLEN)
-            pipe.xack(item.stream, keys.ENGINE_GROUP, item.entry_id)
-        pipe.execute()
+    def release(self, turns: list[tuple[WorkItem, int]]) -> None:
+        """Give running turns (work item, claim epoch) back to the shared queue,
+        queued again, for any engine to claim at once; a turn another engine
+        took over meanwhile is left to it (its entry is no longer ours to ack)."""
+        for item, epoch in turns:
+            request = item.request
+            reply = self._release(
+                keys=[keys.meta(request.session)],
+                args=[
+                    self.engine_id,
+                    epoch,
+                    _csv(allowed_from(Action.RELEASE)),
+                    target(Action.RELEASE).value,
+                ],
+            )
+            outcome = as_str(reply[0])
+            if outcome == "ok":
+                self.redis.xadd(keys.REQUESTS, encode(request), maxlen=keys.REQUESTS_MAXLEN)
+            if outcome != "fenced":
+                self.ack(item)
 
     def read_work(self, count: int, block_ms: int | None) -> list[WorkItem]:
         streams = {self.own_queue: ">", keys.REQUESTS: ">"}  # our own (cache hits) first

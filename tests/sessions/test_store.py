@@ -392,3 +392,24 @@ async def test_a_publish_retried_after_a_lost_reply_is_not_applied_twice(
     assert worker.publish_many([done])[0].outcome == "ok"  # not fenced: the same publish
     events, _ = await store.read_turn(session, 1)
     assert [type(e).__name__ for e in events] == ["DeltaEvent", "DoneEvent"]
+
+
+async def test_release_requeues_a_running_turn_for_any_engine(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    session, token = await store.create(TEXT)
+    item, claimed = _claim_next(worker)
+    worker.publish_many([Publish(session, 1, claimed.epoch, 1, [DeltaEvent(1, "a", [7])])])
+    worker.release([(item, claimed.epoch)])
+    info = await store.info(session, token)
+    assert (info.status, info.engine, info.seq) == ("queued", "", 1)
+    other = WorkerStore(redis_client, "engine-b", ttl_s=60)
+    other.ensure_group()
+    again, reclaimed = _claim_next(other)  # a plain claim: no lease had to run out
+    assert reclaimed is not None and reclaimed.epoch == claimed.epoch + 1
+    assert other.read_generated(session, 1) == ([7], 1)
+    # The first engine's entry was acked; a stale release is fenced and acks nothing.
+    assert redis_client.xpending(keys.REQUESTS, keys.ENGINE_GROUP)["pending"] == 1
+    worker.release([(again, claimed.epoch)])
+    assert redis_client.xpending(keys.REQUESTS, keys.ENGINE_GROUP)["pending"] == 1
+    assert (await store.info(session, token)).status == "running"
