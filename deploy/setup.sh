@@ -52,5 +52,8 @@ if [[ $want_tests -eq 1 ]]; then
   if command -v npm >/dev/null; then
     (cd clients/browser && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
   fi
+  # The deploy tests run deploy/nginx/wsinfer.conf in Debian's nginx (TLS, WebSockets);
+  # redis-cli builds the local Redis Cluster of the cluster tests.
+  apt_install nginx-light redis-tools || echo "setup: no nginx; proxy tests will be skipped" >&2
 fi
 echo "setup: done (.venv/bin/wsinfer)"

@@ -39,7 +39,10 @@ async def frontend(redis_url: str) -> AsyncIterator[Frontend]:
 async def test_sigterm_hands_running_turns_over_at_once(
     stack: Stack, frontend: Frontend, redis_client: redis.Redis
 ) -> None:
-    first = stack.start_engine("engine-a", *LONG_LEASE, "--drain-grace", "0.5")
+    engines = {
+        name: stack.start_engine(name, *LONG_LEASE, "--drain-grace", "0.5")
+        for name in ("engine-a", "engine-b")
+    }
     client = await Client.open(frontend.port)
     await client.send(type="generate", messages=PROMPT, params=GREEDY)
     reference, _ = joined(await client.until("done"))
@@ -47,9 +50,9 @@ async def test_sigterm_hands_running_turns_over_at_once(
     await client.send(type="generate", messages=PROMPT, params=GREEDY)
     session = (await client.recv())["session"]
     head = [await client.recv() for _ in range(3)]
-    stack.start_engine("engine-b", *LONG_LEASE)
-    first.send_signal(signal.SIGTERM)
-    assert first.wait(30) == 0
+    owner = engines[redis_client.hget(keys.meta(session), "engine").decode()]
+    owner.send_signal(signal.SIGTERM)
+    assert owner.wait(30) == 0
     started = time.monotonic()
     text, _ = joined(head + await client.until("done", timeout=100))
     await client.close()
