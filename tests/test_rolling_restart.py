@@ -22,7 +22,7 @@ from tests.stack import Stack
 from wsinfer.clients import Client, connect
 
 PROMPTS = [f"Story number {i}: once upon a time" for i in range(4)]
-GREEDY = {"temperature": 0, "max_new_tokens": 300}
+GREEDY = {"temperature": 0, "max_new_tokens": 150}
 SESSIONS, PER_CLIENT = 100, 10
 ENGINE_FLAGS = ("--max-batch-size", "16", "--drain-grace", "2", "--threads", "1")
 
@@ -66,11 +66,15 @@ async def test_restarting_every_process_loses_nothing(
         references = [await run_turn(client, prompt) for prompt in PROMPTS]
 
     clients = [await connect(balancer.url).__aenter__() for _ in range(SESSIONS // PER_CLIENT)]
-    jobs = [
-        asyncio.create_task(run_turn(clients[i // PER_CLIENT], PROMPTS[i % len(PROMPTS)]))
-        for i in range(SESSIONS)
-    ]
-    await asyncio.sleep(1.0)
+    # Every turn accepted first: a generate whose answer is lost with its
+    # connection fails by design (the client cannot know if it started).
+    turns = await asyncio.gather(
+        *(
+            clients[i // PER_CLIENT].start(prompt=PROMPTS[i % len(PROMPTS)], params=GREEDY)
+            for i in range(SESSIONS)
+        )
+    )
+    jobs = [asyncio.create_task(turn.wait()) for turn in turns]
     unfinished_at_restart = []
     for i, port in enumerate(balancer.upstreams):
         unfinished_at_restart.append(sum(not job.done() for job in jobs))
