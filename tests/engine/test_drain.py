@@ -74,5 +74,5 @@ async def test_sigterm_lets_a_short_turn_finish_and_takes_no_new_one(
     assert first.wait(30) == 0  # exits once its last turn is done
     assert messages[-1]["finish_reason"] in ("stop", "length")
     assert int(redis_client.hget(keys.meta(session), "epoch") or 0) == 1  # never handed over
-    assert redis_client.zscore(keys.ENGINES, "engine-a") == 0  # deregistered: no new work
+    assert not redis_client.zscore(keys.ENGINES, "engine-a")  # deregistered: no new work
     await client.close()
