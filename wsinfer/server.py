@@ -42,6 +42,7 @@ from wsinfer.limits import CapacityGate, LogThrottle, TokenBucket, origin_allowe
 from wsinfer.messages import SUBPROTOCOLS, Limits, codec_for
 from wsinfer.metrics import Metrics
 from wsinfer.protocol import ConnectionProtocol
+from wsinfer.sessions.connect import ready
 from wsinfer.sessions.connection import DEFAULT_POOL_SIZE, async_client
 from wsinfer.sessions.store import SessionStore
 
