@@ -72,10 +72,16 @@ async def test_sessions_survive_a_sentinel_failover(sentinel: tuple[str, list[in
     session, token = await store.create(TEXT)
     engine_side = sync_client(url)
     assert engine_side.hget(f"wsinfer:{{{session}}}:meta", "status") == b"queued"
-    time.sleep(0.5)  # let the replica catch up before the switch
-    redis.Redis(host="127.0.0.1", port=sentinel_port).execute_command(
-        "SENTINEL", "FAILOVER", "wsinfer"
-    )
+    sentinel_client = redis.Redis(host="127.0.0.1", port=sentinel_port)
+    deadline = time.monotonic() + 30
+    while True:  # Sentinel learns of the replica from the primary's INFO, every 10 s
+        try:
+            sentinel_client.execute_command("SENTINEL", "FAILOVER", "wsinfer")
+            break
+        except redis.ResponseError as exc:
+            if "NOGOODSLAVE" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         with contextlib.suppress(redis.RedisError):
