@@ -44,13 +44,14 @@ def _redis_error(url: str, exc: BaseException) -> StartupError:
 
 def require_redis(url: str) -> None:
     """Redis at ``url`` answers a PING."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_CHECK_TIMEOUT_S)
+    from wsinfer.sessions.connect import sync_client  # any URL form: cluster, sentinel
+
     try:
+        client = sync_client(url, socket_connect_timeout=REDIS_CHECK_TIMEOUT_S)
         client.ping()
-    except (redis.RedisError, OSError) as exc:
+    except (redis.RedisError, OSError, ValueError) as exc:
         raise _redis_error(url, exc) from None
-    finally:
-        client.close()
+    client.close()
 
 
 async def require_redis_async(client: aioredis.Redis, url: str) -> None:
