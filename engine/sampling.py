@@ -13,10 +13,19 @@ and generating k+1..N, draws the same numbers. The hash is integer arithmetic
 (SplitMix64), identical on every device. The race, unlike inverse-CDF
 sampling, only flips when two candidates are nearly tied, so the last-bit
 differences between a prefill's and a decode's logits do not change the text.
+
+The race runs in log space, ``argmax(logits / T - log(-log u))``, which is
+``argmax(softmax(logits / T) / -log u)`` without the softmax; top-k / top-p rows
+race only the tokens whose scaled logit reaches the row's ``floor`` (the smallest
+one in the kept set). On CUDA with Triton, ``engine/sampling_triton.py`` runs the
+whole race in one pass over the logits, with the same float operations; the torch
+path here is the reference it is tested against, and the CPU's program.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import secrets
 from dataclasses import dataclass
 from enum import Enum
@@ -69,12 +78,16 @@ def row_keys(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """-log(u) [B, V] with u uniform in (0, 1) from ``hash(row key, token id)``."""
+    """log(-log(u)) [B, V] with u uniform in (0, 1) from ``hash(row key, token id)``:
+    the race subtracts it from the scaled logits (log of the exponential noise)."""
     tokens = torch.arange(1, vocab + 1, device=keys.device) * _signed(_GOLDEN)
-    z = _finish(keys.unsqueeze(1) + tokens.unsqueeze(0))
-    # The top 24 bits, centred in their bucket: never exactly 0 or 1.
-    uniform = (_shr(z, 40).float() + 0.5) * (1.0 / (1 << 24))
-    return uniform.log_().neg_()
+    z = keys.unsqueeze(1) + tokens.unsqueeze(0)
+    z = (z ^ _shr(z, 30)).mul_(_signed(_MIX1))
+    z = (z ^ _shr(z, 27)).mul_(_signed(_MIX2))
+    # The top 24 bits (the output mix's last xor-shift leaves them alone), centred in
+    # their bucket: u is never exactly 0 or 1.
+    uniform = _shr(z, 40).float().add_(0.5).mul_(1.0 / (1 << 24))
+    return uniform.log_().neg_().log_()
 
 
 class Variant(Enum):
@@ -159,23 +172,61 @@ def sample_tokens(
     variant: Variant,
     seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The sampling program for ``variant``: fixed kernels, capturable in a CUDA graph."""
+    """The sampling program for ``variant``: fixed kernels, capturable in a CUDA graph.
+
+    Greedy rows (temperature 0) take the argmax of the penalized logits; the others
+    race ``scaled - race_noise`` with scaled = penalized logits / temperature.
+    """
+    if variant is Variant.GREEDY:
+        return logits.argmax(dim=-1)  # no penalty here; bf16 -> fp32 keeps the order
+    if logits.is_cuda and triton_available():
+        return sample_tokens_triton(logits, params, variant, seen)
+    return sample_tokens_torch(logits, params, variant, seen)
+
+
+def sample_tokens_torch(
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    variant: Variant,
+    seen: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``sample_tokens`` in torch ops: the CPU's program and the Triton race's reference."""
     logits = logits.float()
-    if variant is not Variant.GREEDY and seen is not None:
+    if seen is not None:
         logits = apply_repetition_penalty(logits, params.penalty, seen)
     greedy = logits.argmax(dim=-1)
-    if variant is Variant.GREEDY:
-        return greedy
-    temperature = params.temperature.unsqueeze(1)
-    scaled = logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    probs = torch.softmax(scaled, dim=-1)
+    scaled = logits / _divisor(params.temperature).unsqueeze(1)
+    score = scaled - race_noise(row_keys(params.seed, params.index), scaled.shape[-1])
     if variant is Variant.FILTERED:
-        # Rows without filters keep the plain distribution, computed exactly as in SAMPLE,
-        # so a row draws the same token whatever its neighbours need.
-        filtered = (params.top_k > 0) | (params.top_p < 1.0)
-        probs = torch.where(filtered.unsqueeze(1), _filtered_probs(scaled, params), probs)
-    noise = race_noise(row_keys(params.seed, params.index), probs.shape[-1])
-    return torch.where(params.temperature > 0, (probs / noise).argmax(dim=-1), greedy)
+        score.masked_fill_(scaled < filter_floor(scaled, params).unsqueeze(1), float("-inf"))
+    return torch.where(params.temperature > 0, score.argmax(dim=-1), greedy)
+
+
+def sample_tokens_triton(
+    logits: torch.Tensor, params: SamplingTensors, variant: Variant, seen: torch.Tensor | None
+) -> torch.Tensor:
+    """``sample_tokens``'s SAMPLE / FILTERED programs as the Triton race (one pass over
+    the logits); the sort of FILTERED rows, which finds their floors, stays in torch."""
+    from wsinfer.engine.sampling_triton import race_triton
+
+    floor = None
+    if variant is Variant.FILTERED:
+        penalized = logits.float()
+        if seen is not None:
+            penalized = apply_repetition_penalty(penalized, params.penalty, seen)
+        floor = filter_floor(penalized / _divisor(params.temperature).unsqueeze(1), params)
+    return race_triton(
+        logits, params.temperature, params.penalty, params.seed, params.index, seen, floor
+    )
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _divisor(temperature: torch.Tensor) -> torch.Tensor:
+    return torch.where(temperature > 0, temperature, torch.ones_like(temperature))
 
 
 def apply_repetition_penalty(
@@ -187,9 +238,11 @@ def apply_repetition_penalty(
     return torch.where(seen, penalized, logits)
 
 
-def _filtered_probs(scaled: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """Each row's distribution restricted to its top-k / top-p set, in vocabulary order."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+def filter_floor(scaled: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """float32 [B]: the smallest scaled logit in each row's top-k / top-p set (-inf for
+    rows without filters). Every token at or above it races (a tie at the edge of the
+    set races too: a set by value does not depend on how the sort orders ties)."""
+    sorted_logits = scaled.sort(dim=-1, descending=True).values
     vocab = scaled.shape[-1]
     top_k = torch.where(params.top_k > 0, params.top_k, torch.full_like(params.top_k, vocab))
     ranks = torch.arange(vocab, device=scaled.device).unsqueeze(0)
@@ -197,8 +250,10 @@ def _filtered_probs(scaled: torch.Tensor, params: SamplingTensors) -> torch.Tens
     probs = torch.softmax(sorted_logits, dim=-1)
     # Drop a token when the more likely ones already cover top_p; the first always stays.
     before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(before >= params.top_p.unsqueeze(1), 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, probs)
+    kept = ((before < params.top_p.unsqueeze(1)) & (ranks < top_k.unsqueeze(1))).sum(dim=-1)
+    floor = sorted_logits.gather(1, (kept.clamp(min=1) - 1).unsqueeze(1)).squeeze(1)
+    filtered = (params.top_k > 0) | (params.top_p < 1.0)
+    return torch.where(filtered, floor, torch.full_like(floor, float("-inf")))
 
 
 def to_device(data: Any, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

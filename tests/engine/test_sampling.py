@@ -1,13 +1,20 @@
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from wsinfer.engine.sampling import RowSampling, fresh_seed, mix_seed, sample
 from wsinfer.sessions.schema import GenerationParams
 
 VOCAB = 1000
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def logits(rows: int, seed: int = 0) -> torch.Tensor:
@@ -119,3 +126,46 @@ def test_a_draw_survives_last_bit_changes_of_the_logits() -> None:
     nudged = x * (1 + 1e-6 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2)))
     rows = [row(99, i, temperature=0.8) for i in range(512)]
     assert sample(x, rows).tolist() == sample(nudged, rows).tolist()
+
+
+def test_top_k_races_every_token_tied_at_the_edge_of_the_set() -> None:
+    # The set is "scaled logit >= the k-th largest", so it does not depend on how a
+    # sort orders ties: with top_k=1 and two tied maxima, both win sometimes.
+    x = torch.full((1, VOCAB), -5.0)
+    x[0, 7] = x[0, 700] = 4.0
+    drawn = {sample(x, [row(5, i, temperature=1.0, top_k=1)]).item() for i in range(100)}
+    assert drawn == {7, 700}
+
+
+def test_filtered_rows_race_only_their_set() -> None:
+    x = logits(2, seed=6)
+    scaled = x / 0.7
+    top_p_set = set(scaled[1].argsort(descending=True)[:3].tolist())
+    probs = scaled[1].softmax(-1).sort(descending=True).values
+    top_p = (probs[:2].sum().item() + probs[:3].sum().item()) / 2  # covered by the top 3
+    rows = [[row(3, i, temperature=0.7, top_k=4), row(4, i, temperature=0.7, top_p=top_p)]
+            for i in range(300)]  # fmt: skip
+    draws = [sample(x, r).tolist() for r in rows]
+    assert {d[0] for d in draws} == set(x[0].topk(4).indices.tolist())
+    assert {d[1] for d in draws} == top_p_set
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (the test extra installs it on linux x86_64 only)",
+)
+def test_triton_race_draws_the_torch_tokens_under_the_interpreter() -> None:
+    """engine/sampling_triton.py run by Triton's CPU interpreter against the torch path:
+    B 1, 3, 64 x V 1000, 49152, SAMPLE and FILTERED, greedy rows, penalties, ties,
+    -inf rows, strided and bf16 / fp16 logits (tests/engine/sampling_cases.py)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.engine.sampling_cases"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("ok:")
