@@ -177,8 +177,6 @@ def sample_tokens(
     Greedy rows (temperature 0) take the argmax of the penalized logits; the others
     race ``scaled - race_noise`` with scaled = penalized logits / temperature.
     """
-    if variant is Variant.GREEDY:
-        return logits.argmax(dim=-1)  # no penalty here; bf16 -> fp32 keeps the order
     if logits.is_cuda and triton_available():
         return sample_tokens_triton(logits, params, variant, seen)
     return sample_tokens_torch(logits, params, variant, seen)
@@ -191,6 +189,8 @@ def sample_tokens_torch(
     seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sample_tokens`` in torch ops: the CPU's program and the Triton race's reference."""
+    if variant is Variant.GREEDY:
+        return logits.argmax(dim=-1)  # no penalty here; bf16 -> fp32 keeps the order
     logits = logits.float()
     if seen is not None:
         logits = apply_repetition_penalty(logits, params.penalty, seen)
@@ -209,6 +209,8 @@ def sample_tokens_triton(
     the logits); the sort of FILTERED rows, which finds their floors, stays in torch."""
     from wsinfer.engine.sampling_triton import race_triton
 
+    if variant is Variant.GREEDY:
+        return logits.argmax(dim=-1)
     floor = None
     if variant is Variant.FILTERED:
         penalized = logits.float()
