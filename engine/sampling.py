@@ -84,9 +84,10 @@ def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     z = keys.unsqueeze(1) + tokens.unsqueeze(0)
     z = (z ^ _shr(z, 30)).mul_(_signed(_MIX1))
     z = (z ^ _shr(z, 27)).mul_(_signed(_MIX2))
-    # The top 24 bits (the output mix's last xor-shift leaves them alone), centred in
-    # their bucket: u is never exactly 0 or 1.
-    uniform = _shr(z, 40).float().add_(0.5).mul_(1.0 / (1 << 24))
+    # The top 23 bits (the output mix's last xor-shift leaves them alone), centred in
+    # their bucket: u is never exactly 0 or 1. (With 24 bits, h + 0.5 is not a float32
+    # above 2**23, and the top value rounds to u = 1: zero noise, a certain win.)
+    uniform = _shr(z, 41).float().add_(0.5).mul_(1.0 / (1 << 23))
     return uniform.log_().neg_().log_()
 
 

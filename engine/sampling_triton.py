@@ -17,6 +17,7 @@ parameter is read on the device, so a captured draw replays with new values.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -92,7 +93,7 @@ def _race_kernel(
             x = tl.where(seen, shrunk, x)
         scaled = tl.math.div_rn(x, divisor)
         z = _mix(key + (tokens + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
-        uniform = ((z >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        uniform = ((z >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         score = scaled - _log(-_log(uniform, LIBDEVICE), LIBDEVICE)
         if HAS_FLOOR:
             score = tl.where(scaled < floor, float("-inf"), score)
@@ -136,6 +137,7 @@ def split_vocab(vocab: int, splits: int, block: int) -> tuple[int, int]:
     return -(-blocks // per_split), per_split * block
 
 
+@functools.cache
 def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_SMS

@@ -61,8 +61,10 @@ def edge_cases() -> list[Case]:
     logits[2] = float("-inf")
     logits[2, 3], logits[2, 4999] = 0.0, 1.0986  # two candidates (the distribution test)
     logits[3] = 0.0  # all equal: the noise alone decides
+    logits[3, 885] = -30.0  # the largest hash (seed 21982, index 0): must not win
     params = random_params(6, gen, filtered=False)
     params.temperature[:] = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.05, 8.0])
+    params.seed[3], params.index[3] = 21982, 0
     wide = torch.randn(6, vocab + 300, generator=gen)[:, :vocab]  # row stride != vocab
     cases = [Case("edges", logits, params, Variant.SAMPLE, None)]
     cases.append(Case("strided", wide, params, Variant.SAMPLE, None))
@@ -70,7 +72,19 @@ def edge_cases() -> list[Case]:
     filtered.top_k[:] = torch.tensor([1, 0, 2, 5000, 40, 0])
     filtered.top_p[:] = torch.tensor([1.0, 1e-6, 1.0, 0.5, 0.99, 1.0])
     cases.append(Case("filtered edges", logits, filtered, Variant.FILTERED, None))
-    return cases
+    return cases + [lane_ties(gen)]
+
+
+def lane_ties(gen: torch.Generator) -> Case:
+    """Greedy rows whose maximum repeats 1024 tokens later: the same lane of the same
+    slice (200 rows make slices of two blocks), so the earlier token must stay."""
+    batch, vocab = 200, 4096
+    logits = torch.randn(batch, vocab, generator=gen)
+    first = torch.randint(0, vocab - 1024, (batch,), generator=gen)
+    logits[torch.arange(batch), first] = logits[torch.arange(batch), first + 1024] = 9.0
+    params = random_params(batch, gen, filtered=False)
+    params.temperature[: batch // 2] = 0.0
+    return Case("lane ties", logits, params, Variant.SAMPLE, None)
 
 
 def all_cases(sizes: list[tuple[int, int]]) -> list[Case]:

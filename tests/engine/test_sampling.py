@@ -169,3 +169,12 @@ def test_triton_race_draws_the_torch_tokens_under_the_interpreter() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("ok:")
+
+
+def test_the_largest_hash_is_not_a_certain_win() -> None:
+    # Seed 21982's token 885 hashes to the top 24-bit value: a float32 (h + 0.5) / 2**24
+    # rounds that to u = 1, noise -log u = 0, and log-space score +inf: a token with
+    # almost no probability would win. u must stay below 1 for every hash.
+    x = torch.zeros(1, VOCAB)
+    x[0, 885] = -30.0
+    assert sample(x, [row(21982, 0, temperature=1.0)]).item() != 885
