@@ -101,7 +101,10 @@ class EngineProcess:
         signal.signal(signal.SIGINT, self._request_stop)
         log.info("engine ready", engine=self.config.engine_id, model=self.loaded.name)
         try:
-            while not self._stopping:
+            # The drain deadline and the parent are checked outside the outage guard:
+            # a serve killed with -9 takes its Redis along and SIGTERMs its engine,
+            # which must then end on time rather than wait for Redis forever.
+            while not self._stopping and not self._drained() and not self._orphaned():
                 if self._guard.run(self._iteration) is False:
                     break
         finally:
@@ -123,6 +126,12 @@ class EngineProcess:
             log.info("draining", engine=self.config.engine_id, running=len(self.active))
         else:  # Ctrl-C, or a second SIGTERM: hand everything over now
             self._stopping = True
+
+    def _orphaned(self) -> bool:
+        if self.config.exit_with_parent and os.getppid() != self._parent:
+            log.warning("parent process gone; exiting")
+            return True
+        return False
 
     def _drained(self) -> bool:
         """Draining and either nothing runs any more or the grace period is over."""
@@ -155,9 +164,6 @@ class EngineProcess:
         self._next_heartbeat = now + self.config.heartbeat_s
         self.store.heartbeat()
         self.store.renew_leases([turn.work for turn in self.active.values()])
-        if self.config.exit_with_parent and os.getppid() != self._parent:
-            log.warning("parent process gone; exiting")
-            self._stopping = True
 
     def _capacity(self) -> int:
         return max(0, self.config.max_batch_size - len(self.active))
