@@ -113,14 +113,19 @@ class PrefillContext:
         self.pad_index = upload(np.concatenate(pad_index), device)
         self.table = upload(table, device)
         self.mask = _prefill_mask(pieces, self.width, blocks * bs, device)
+        self.hidden_keys = ~self.mask.any(dim=2)[:, 0, :, None, None]  # [R, L, 1, 1]
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.pool.write(layer, self.slots, k, v)
         heads, dim = q.shape[1], q.shape[2]
-        keys = self.pool.k[layer][self.table].flatten(1, 2)  # [R, L, Hkv, D]
-        values = self.pool.v[layer][self.table].flatten(1, 2)
+        # Slots no query may see (never written, or another row's padding) can hold
+        # anything, NaN included (the CPU pool is not zeroed), and a masked NaN key
+        # still poisons its row's softmax: zero them on both sides.
+        hidden = self.hidden_keys
+        keys = self.pool.k[layer][self.table].flatten(1, 2).masked_fill(hidden, 0.0)
+        values = self.pool.v[layer][self.table].flatten(1, 2).masked_fill(hidden, 0.0)
         groups = heads // keys.shape[2]
         if groups > 1:
             keys = keys.repeat_interleave(groups, dim=2)
@@ -132,7 +137,7 @@ class PrefillContext:
             padded,
             keys.transpose(1, 2),
             # Never-written slots may hold anything: keep them out of softmax(.) @ V too.
-            values.transpose(1, 2).masked_fill(~self.mask.any(dim=2, keepdim=True).mT, 0.0),
+            values.transpose(1, 2),
             attn_mask=self.mask,
             scale=self.scale,
         )

@@ -164,6 +164,20 @@ def test_offloaded_caches_come_back_into_the_pool(tiny: LoadedModel) -> None:
     assert tokens_of(outs) == reference_greedy(tiny, follow, 12)
 
 
+def test_unwritten_pool_slots_never_reach_the_output(tiny: LoadedModel) -> None:
+    """The CPU pool is not zeroed: whatever its unwritten slots hold (NaN here) must not
+    leak into a prefill or decode that masks them."""
+    core = EngineCore(tiny, EngineConfig(max_batch_size=4, prefill_chunk_tokens=16))
+    core.pool.k.fill_(float("nan"))
+    core.pool.v.fill_(float("nan"))
+    ids = [prompt(tiny.tokenizer, p) for p in PROMPTS[:3]]
+    for i, row in enumerate(ids):  # rows of different lengths, chunked: ragged tables
+        core.add(request(f"r{i}", row))
+    outputs = run_all(core)
+    for i, row in enumerate(ids):
+        assert tokens_of(outputs[f"r{i}"]) == reference_greedy(tiny, row, 12), f"r{i}"
+
+
 def test_models_outside_the_llama_family_use_the_eager_core(tmp_path: Any) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
