@@ -35,6 +35,7 @@ from .sampling import (
     sample_tokens,
     tensors_for,
     to_device,
+    upload,
     variant_of,
 )
 
@@ -160,15 +161,6 @@ def _prefill_mask(
     keys = torch.arange(columns)
     mask = keys.view(1, 1, -1) <= query_pos.unsqueeze(2)
     return upload(mask.unsqueeze(1), device)
-
-
-def upload(data: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host data on ``device`` without a sync: a copy from pageable memory waits for the
-    stream to drain, one from pinned memory does not."""
-    tensor = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class ModelRunner:

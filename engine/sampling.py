@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+import numpy as np
 import torch
 
 from wsinfer.sessions.schema import GenerationParams
@@ -265,7 +266,12 @@ def to_device(data: Any, device: torch.device, dtype: torch.dtype = torch.long) 
     ``torch.tensor(data, device="cuda")`` copies from pageable memory and waits for
     the GPU to drain its queue; a pinned staging copy with non_blocking does not.
     """
-    tensor = torch.tensor(data, dtype=dtype)
+    return upload(torch.tensor(data, dtype=dtype), device)
+
+
+def upload(data: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array or tensor on ``device`` without a sync (see ``to_device``)."""
+    tensor = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
     if device.type != "cuda":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
