@@ -1,6 +1,6 @@
 """How far one frontend process goes: fan-out of deltas, idle sessions, reconnects.
 
-    python benchmarks/bench_fanout.py [--streams 1,50,200,1000] [--tokens 60000]
+    python benchmarks/bench_fanout.py [--streams 1,50,200,1000] [--tokens 40000]
         [--idle 10000] [--paced-streams 200] [--paced-rate 20] [--reconnects 300]
 
 (``--tokens`` is split over each row's streams, at most 4096 per stream.)
@@ -16,7 +16,10 @@ clients in this process (JSON subprotocol). Sections:
    from each token's production in the engine to its receipt (p50/p99,
    saturated). The same clients against a bare ``websockets`` relay in another
    process that sends the same JSON deltas, one frame per token, round-robin
-   over its streams (the ceiling), and the ratio.
+   over its streams (the ceiling), and the ratio. Both compress as the frontend
+   does (messages under 1 KiB plain: ``wsinfer/sendpath.py``), so both send the
+   same bytes. CPU is counted from the moment every socket is open, like the
+   wall time: handshakes are not relaying.
 2. Paced: ``--paced-streams`` streams at ``--paced-rate`` tokens/s each (an
    engine ``fake:RATE:stamp``): publish-to-receive p50/p99 below saturation.
 3. Idle: ``--idle`` connections, each holding a session whose turn is done,
@@ -53,6 +56,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
+from wsinfer.sendpath import DeflateLargeFactory
 from wsinfer.supervisor import EmbeddedRedis, _die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +173,7 @@ async def bare_relay_main() -> None:
     one delta to each active stream per round, as an engine step would."""
     active: dict[ServerConnection, list[int]] = {}  # -> [sent, n]
     more = asyncio.Event()
+    deflate = [DeflateLargeFactory()]
 
     async def handler(ws: ServerConnection) -> None:
         async for raw in ws:
@@ -185,7 +190,8 @@ async def bare_relay_main() -> None:
                     await _bare_send(ws, state, stamp, active)
                 await asyncio.sleep(0)
 
-    async with serve(handler, "127.0.0.1", 0, max_size=None) as server:
+    # Compression as the frontend does it, so both send the same bytes.
+    async with serve(handler, "127.0.0.1", 0, max_size=None, extensions=deflate) as server:
         task = asyncio.create_task(producer())
         print(server.sockets[0].getsockname()[1], flush=True)
         await asyncio.Future()
@@ -245,9 +251,12 @@ async def read_stream(ws: ClientConnection, result: StreamResult) -> StreamResul
 
 
 async def run_streams(
-    url: str, n: int, tokens: int, *, bare: bool
+    url: str, n: int, tokens: int, *, bare: bool, opened: Any = None
 ) -> tuple[list[StreamResult], float]:
+    """N streams of ``tokens`` each; ``opened()`` is called once every socket is open."""
     sockets = await open_many(url, n)
+    if opened is not None:
+        opened()
     try:
         if bare:
             request = json.dumps({"n": tokens})
@@ -298,12 +307,17 @@ class Row:
 
 
 async def measure(url: str, n: int, tokens: int, pids: dict[str, int], *, bare: bool) -> Row:
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    client_before = time.process_time()
-    results, wall = await run_streams(url, n, tokens, bare=bare)
+    before: dict[str, float] = {}
+
+    def opened() -> None:  # CPU from here, as the wall time: handshakes are not relaying
+        before.update({name: cpu_seconds(pid) for name, pid in pids.items()})
+        before["client"] = time.process_time()
+
+    results, wall = await run_streams(url, n, tokens, bare=bare, opened=opened)
+    client_spent = time.process_time() - before.pop("client")
     spent = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     cpu = {name: value / wall for name, value in spent.items()}
-    cpu["client"] = (time.process_time() - client_before) / wall
+    cpu["client"] = client_spent / wall
     got = sum(r.tokens for r in results)
     if got != n * tokens:
         raise RuntimeError(f"{n} streams: got {got} tokens, expected {n * tokens}")
@@ -429,7 +443,7 @@ async def reconnect_section(svc: Service, sessions: list[dict[str, str]], count:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--streams", default="1,50,200,1000")
-    parser.add_argument("--tokens", type=int, default=60_000, help="tokens per relay row")
+    parser.add_argument("--tokens", type=int, default=40_000, help="tokens per relay row")
     parser.add_argument("--paced-streams", type=int, default=200)
     parser.add_argument("--paced-rate", type=float, default=20.0, help="tokens/s per stream")
     parser.add_argument("--paced-seconds", type=float, default=5.0)
@@ -483,7 +497,10 @@ def main(argv: list[str] | None = None) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # children inherit it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.perf_counter()
     lines = asyncio.run(run(args))
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines.append(f"\nWhole run: {time.perf_counter() - started:.0f} s; load average {load}")
     print("\n".join(lines))
 
 

@@ -49,7 +49,7 @@ def generate(worker: WorkerStore, tokens: int, finish: bool) -> int:
     claims = [(i, worker.claim(i.request, takeover=False)) for i in items]
     for _, c in claims:
         if c is not None:  # the engine stores the rendered prompt's token ids
-            worker.save_prompt(c.session, c.turn, list(range(60)))
+            worker.save_prompt(c, list(range(60)))
     for seq in range(1, tokens + 1):
         worker.publish_many(
             [

@@ -405,9 +405,7 @@ def measure_service(
         interference = None
         if args.long_prompt:
             interference = asyncio.run(
-                served_interference(
-                    port, long_chat, args.running, args.settle, args.running_tokens
-                )
+                served_interference(port, long_chat, args.running, args.settle, args.running_tokens)
             )
     return runs, interference
 

@@ -1,5 +1,9 @@
 """wsinfer.clients: Python client for the wsinfer WebSocket protocol.
 
+This folder (``clients/``) installs as ``wsinfer.clients`` (pyproject's
+``package-dir``): import it as ``from wsinfer.clients import connect`` (or
+``wsinfer.connect``), never as ``clients``.
+
 ``connect`` (asyncio) is the main entry point; ``wsinfer.clients.sync`` wraps
 it for code without an event loop, and ``wsinfer.clients.chat`` is the
 ``wsinfer chat`` terminal UI. The browser client lives in ``browser/``.

@@ -3,13 +3,17 @@
 Two families, as in h11: ``RequestError`` means the request itself was wrong
 (fix the call, retrying will not help), ``ServerError`` means the service could
 not do it right now (retrying later may). ``ConnectionLost`` is the client's
-own: the connection dropped and could not be restored in time.
+own: the connection dropped and could not be restored in time; it and
+``ClientClosed`` carry the client-local codes of ``wsinfer.contract.ClientErrorCode``,
+which the browser client uses for the same situations.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from wsinfer.contract import ClientErrorCode, ErrorCode
 
 
 class WsinferError(Exception):
@@ -41,23 +45,23 @@ class RequestError(WsinferError):
 
 
 class BadRequest(RequestError):
-    code = "bad_request"
+    code = ErrorCode.BAD_REQUEST.value
 
 
 class Unauthorized(RequestError):
-    code = "unauthorized"
+    code = ErrorCode.UNAUTHORIZED.value
 
 
 class NotFound(RequestError):
-    code = "not_found"
+    code = ErrorCode.NOT_FOUND.value
 
 
 class Conflict(RequestError):
-    code = "conflict"
+    code = ErrorCode.CONFLICT.value
 
 
 class TooLarge(RequestError):
-    code = "too_large"
+    code = ErrorCode.TOO_LARGE.value
 
 
 class ServerError(WsinferError):
@@ -65,27 +69,27 @@ class ServerError(WsinferError):
 
 
 class Overloaded(ServerError):
-    code = "overloaded"
+    code = ErrorCode.OVERLOADED.value
 
 
 class EngineUnavailable(ServerError):
-    code = "engine_unavailable"
+    code = ErrorCode.ENGINE_UNAVAILABLE.value
 
 
 class InternalError(ServerError):
-    code = "internal"
+    code = ErrorCode.INTERNAL.value
 
 
 class ConnectionLost(WsinferError):
     """The connection dropped and reconnecting failed (or was disabled)."""
 
-    code = "connection_lost"
+    code = ClientErrorCode.CONNECTION_LOST.value
 
 
 class ClientClosed(WsinferError):
     """The client was closed while the call was waiting."""
 
-    code = "client_closed"
+    code = ClientErrorCode.CLIENT_CLOSED.value
 
 
 _BY_CODE: dict[str, type[WsinferError]] = {
@@ -109,7 +113,7 @@ def error_from_wire(fields: Mapping[str, Any], session: str | None = None) -> Ws
     Unknown codes still raise (as the base class) so that a newer server's
     codes are never silently dropped.
     """
-    code = str(fields.get("code") or "internal")
+    code = str(fields.get("code") or ErrorCode.INTERNAL.value)
     message = str(fields.get("message") or "")
     retry_after = fields.get("retry_after")
     if not isinstance(retry_after, (int, float)) or isinstance(retry_after, bool):

@@ -1,16 +1,30 @@
-"""Sans-I/O pieces of the client: request builders and per-turn state.
+"""The client's sans-I/O core: requests, per-turn state, and ``ClientProtocol``.
 
-Nothing here awaits or touches a socket, so the exactly-once logic (dedup by
-``seq``) is testable with plain dicts.
+``ClientProtocol`` owns every decision of the client side of protocol v1: the
+table of requests waiting for an answer, routing answers by ``id`` and turn
+events by ``session``, and what a fresh connection must carry after a drop
+(unanswered generates again, with the same idempotency key; stop, resume and
+pause of live turns). Nothing here awaits or touches a socket: the asyncio
+client feeds it messages and connection changes and sends what it returns,
+so the whole policy is testable with plain dicts. The browser client
+(browser/wsinfer.js) follows the same rules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from wsinfer.clients.errors import WsinferError, error_from_wire
+from wsinfer.clients.errors import ClientClosed, ConnectionLost, WsinferError, error_from_wire
+from wsinfer.contract import (
+    IDEMPOTENCY_KEY_HEX,
+    ClientMessageType,
+    ServerMessageType,
+    TurnStatus,
+)
 
 Message = dict[str, Any]
 ChatMessage = Mapping[str, str]
@@ -44,13 +58,14 @@ def generate_request(
     params: Mapping[str, Any] | None = None,
     session: str | None = None,
     token: str | None = None,
+    idempotency_key: str | None = None,
 ) -> Message:
     """A ``generate`` message; exactly one of ``messages`` and ``prompt``."""
     if (messages is None) == (prompt is None):
         raise ValueError("pass exactly one of messages= and prompt=")
     if (session is None) != (token is None):
         raise ValueError("session and token go together")
-    msg: Message = {"type": "generate"}
+    msg: Message = {"type": ClientMessageType.GENERATE.value}
     if messages is not None:
         msg["messages"] = [dict(m) for m in messages]
     else:
@@ -60,7 +75,14 @@ def generate_request(
     if session is not None:
         msg["session"] = session
         msg["token"] = token
+    if idempotency_key is not None:
+        msg["idempotency_key"] = idempotency_key
     return msg
+
+
+def new_idempotency_key() -> str:
+    """A generate's key: random, so only a resend of this very request repeats it."""
+    return secrets.token_hex(IDEMPOTENCY_KEY_HEX // 2)
 
 
 def control_request(kind: str, session: str, token: str, **extra: Any) -> Message:
@@ -89,7 +111,20 @@ class DoneEvent:
     error: WsinferError | None
 
 
-TurnEvent = TextDelta | PausedEvent | DoneEvent
+@dataclass(frozen=True)
+class StatusEvent:
+    """The server stated the turn's status (a ``session`` answer)."""
+
+    status: TurnStatus
+
+
+TurnEvent = TextDelta | PausedEvent | DoneEvent | StatusEvent
+
+_STATUS_AFTER = {
+    ServerMessageType.DELTA.value: TurnStatus.RUNNING,
+    ServerMessageType.PAUSED.value: TurnStatus.PAUSED,
+    ServerMessageType.DONE.value: TurnStatus.DONE,
+}
 
 
 @dataclass
@@ -98,7 +133,8 @@ class TurnState:
 
     ``seq`` is the last seq applied; the server's ``seq`` counts tokens, so a
     delta with ``seq <= self.seq`` was already applied (a replay after a
-    resume) and is dropped. That is the whole exactly-once rule.
+    resume) and is dropped. That is the whole exactly-once rule. ``status`` is
+    the server's word (its ``session`` answer, then each event), never guessed.
     """
 
     session: str
@@ -106,18 +142,55 @@ class TurnState:
     turn: int
     seq: int = 0
     parts: list[str] = field(default_factory=list)
-    paused: bool = False
+    status: TurnStatus | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
     error: WsinferError | None = None
+    # Given up on by the client (refused resume, connection lost for good).
+    failure: WsinferError | None = None
+    # What the caller asked ("stop", "pause") -> its waiter, so that a fresh
+    # connection repeats it and answers the same waiter.
+    requested: dict[str, Any] = field(default_factory=dict)
+    # Whether the current connection follows this turn's session.
+    following: bool = False
+    # The I/O layer's object for this turn (the asyncio ``Turn``).
+    handle: Any = None
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
     @property
+    def finished(self) -> bool:
+        """Done on the server, or given up on by the client."""
+        return self.done or self.failure is not None
+
+    @property
+    def paused(self) -> bool:
+        return self.status is TurnStatus.PAUSED
+
+    @property
+    def live(self) -> bool:
+        """Whether a fresh connection should re-join it.
+
+        A turn the caller paused (and the server confirmed) is left alone:
+        re-joining means ``resume``, which would un-pause it.
+        """
+        if self.finished:
+            return False
+        stop = ClientMessageType.STOP.value in self.requested
+        return stop or not (ClientMessageType.PAUSE.value in self.requested and self.paused)
+
+    @property
     def text(self) -> str:
         return "".join(self.parts)
+
+    def fail(self, exc: WsinferError) -> bool:
+        """Give up on the turn; False if it had already ended."""
+        if self.finished:
+            return False
+        self.failure = exc
+        return True
 
     def apply(self, msg: Mapping[str, Any]) -> TurnEvent | None:
         """Apply one ``delta``/``paused``/``done``; None when it changes nothing."""
@@ -126,21 +199,33 @@ class TurnState:
         if self.done or msg.get("turn", self.turn) != self.turn:
             return None
         kind = msg.get("type")
-        if kind == "delta":
-            return self._apply_delta(msg)
-        if kind == "paused":
-            self.paused = True
-            return PausedEvent(int(msg.get("seq", self.seq)))
-        if kind == "done":
-            return self._apply_done(msg)
-        return None
+        event: TurnEvent | None = None
+        if kind == ServerMessageType.DELTA.value:
+            event = self._apply_delta(msg)
+        elif kind == ServerMessageType.PAUSED.value:
+            event = PausedEvent(int(msg.get("seq", self.seq)))
+        elif kind == ServerMessageType.DONE.value:
+            event = self._apply_done(msg)
+        if event is not None:
+            self.status = _STATUS_AFTER[str(kind)]
+        return event
+
+    def apply_status(self, raw: Any) -> StatusEvent | None:
+        """Adopt the status of a ``session`` answer (absent from older servers)."""
+        try:
+            status = TurnStatus(raw)
+        except ValueError:
+            return None
+        if self.done:
+            return None
+        self.status = status
+        return StatusEvent(status)
 
     def _apply_delta(self, msg: Mapping[str, Any]) -> TextDelta | None:
         seq = int(msg["seq"])
         if seq <= self.seq:
             return None
         self.seq = seq
-        self.paused = False
         text = str(msg.get("text") or "")
         self.parts.append(text)
         return TextDelta(text, seq)
@@ -148,10 +233,291 @@ class TurnState:
     def _apply_done(self, msg: Mapping[str, Any]) -> DoneEvent:
         self.finish_reason = str(msg.get("finish_reason") or "stop")
         self.usage = Usage.from_wire(msg.get("usage"))
-        self.paused = False
         raw_error = msg.get("error")
         if self.finish_reason == "error" or raw_error:
             self.error = error_from_wire(
                 raw_error if isinstance(raw_error, Mapping) else {}, self.session
             )
         return DoneEvent(self.finish_reason, self.usage, self.error)
+
+
+# --- the connection-level core ------------------------------------------------
+
+
+@dataclass
+class Pending:
+    """A request sent with an ``id``, waiting for its ``session`` or ``error``."""
+
+    kind: str
+    message: Message  # as sent: a resend repeats it exactly (same id, same key)
+    waiter: Any = None  # the I/O layer's handle, given back in events
+    turn: TurnState | None = None
+
+
+@dataclass(frozen=True)
+class TurnStarted:
+    """A ``generate`` was answered: ``turn`` is new here."""
+
+    waiter: Any
+    turn: TurnState
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request failed: the server's ``error`` for it, or the client gave up."""
+
+    kind: str
+    waiter: Any
+    error: WsinferError
+
+
+@dataclass(frozen=True)
+class TurnUpdated:
+    turn: TurnState
+    event: TurnEvent
+
+
+@dataclass(frozen=True)
+class TurnFailed:
+    turn: TurnState
+    error: WsinferError
+
+
+Event = TurnStarted | Refused | TurnUpdated | TurnFailed
+
+
+class ClientProtocol:
+    """Every decision of one client, over any number of connections in turn.
+
+    Requests made while connected go to the outbox (``data_to_send``); made
+    while disconnected, they are only recorded, and ``connection_made`` sends
+    what they need. The resend rule: a ``generate`` is repeated until it is
+    answered, with its id and idempotency key unchanged, so the server answers
+    the turn it already started instead of starting a second one; stop,
+    resume and pause of live turns are repeated from the turns' state (resume
+    from the last seq applied here); ``close`` is not answered, so it is only
+    repeated if it could not be sent at all.
+    """
+
+    def __init__(self, *, reconnect: bool = True) -> None:
+        self.reconnect = reconnect
+        self.connected = False
+        self.pending: dict[int, Pending] = {}
+        self.turns: dict[str, TurnState] = {}  # session -> its latest turn still running
+        self.tokens: dict[str, str] = {}  # session -> token, for sessions seen here
+        self._outbox: list[Message] = []
+        self._deferred: list[Message] = []  # unanswered by design, not sent yet
+        self._ids = itertools.count(1)
+
+    # --- requests ------------------------------------------------------------
+
+    def generate(self, waiter: Any, **request: Any) -> Message:
+        """Start a turn (``generate_request``'s arguments); ``waiter`` gets ``TurnStarted``."""
+        session = request.get("session")
+        if session is not None and request.get("token") is None:
+            request["token"] = self.tokens.get(session)
+            if request["token"] is None:
+                raise ValueError(f"no token known for session {session!r}; pass token=")
+        msg = generate_request(**request, idempotency_key=new_idempotency_key())
+        self._track(msg, Pending(ClientMessageType.GENERATE.value, msg, waiter))
+        return msg
+
+    def stop(self, turn: TurnState, waiter: Any = None) -> None:
+        turn.requested[ClientMessageType.STOP.value] = waiter
+        if self.connected:
+            self._control(turn, ClientMessageType.STOP.value, waiter)
+            # Only a follower sees the `done`; joining after the stop cannot un-pause it.
+            self._follow(turn, None)
+
+    def pause(self, turn: TurnState, waiter: Any = None) -> None:
+        turn.requested[ClientMessageType.PAUSE.value] = waiter
+        if self.connected:
+            self._follow(turn, None)
+            self._control(turn, ClientMessageType.PAUSE.value, waiter)
+
+    def resume(self, turn: TurnState, waiter: Any = None) -> None:
+        """Follow the turn again (un-pausing it): the server replays what we lack."""
+        turn.requested.pop(ClientMessageType.PAUSE.value, None)
+        if self.connected:
+            turn.following = False  # a resume restarts the feed even if we follow
+            self._follow(turn, waiter)
+
+    def attach(self, session: str, token: str, turn: int | None, after: int) -> TurnState:
+        """Follow a turn started elsewhere; ``resume`` it with ``resume()``."""
+        state = TurnState(session, token, -1 if turn is None else turn, seq=after)
+        self._register(state)
+        return state
+
+    def close_session(self, session: str, token: str | None = None) -> list[Event]:
+        """``close`` a session; a turn of it still running here fails with ``ClientClosed``."""
+        token = token or self.tokens.get(session)
+        if token is None:
+            raise ValueError(f"no token known for session {session!r}; pass token=")
+        events: list[Event] = []
+        turn = self.turns.get(session)
+        if turn is not None:
+            events += self._fail_turn(turn, ClientClosed(f"session {session} was closed"))
+        self.tokens.pop(session, None)
+        msg = control_request(ClientMessageType.CLOSE.value, session, token)
+        (self._outbox if self.connected else self._deferred).append(msg)
+        return events
+
+    def data_to_send(self) -> list[Message]:
+        out, self._outbox = self._outbox, []
+        return out
+
+    def send_failed(self, messages: Iterable[Message]) -> None:
+        """Messages the I/O layer could not send: keep those no resend rule covers."""
+        for msg in messages:
+            if msg.get("type") == ClientMessageType.CLOSE.value:
+                self._deferred.append(msg)
+
+    def wants_connection(self) -> bool:
+        """Whether a dropped connection must be restored now (else: at the next request)."""
+        generating = any(p.kind == ClientMessageType.GENERATE.value for p in self.pending.values())
+        return generating or bool(self._deferred) or any(t.live for t in self.turns.values())
+
+    # --- connection ------------------------------------------------------------
+
+    def connection_made(self) -> list[Message]:
+        """What a fresh connection carries first, before any new request."""
+        self.connected = True
+        for pending in self.pending.values():
+            self._outbox.append(pending.message)  # only generates survive a drop
+        for turn in [t for t in self.turns.values() if t.live]:
+            self._rejoin(turn)
+        self._outbox += self._deferred
+        self._deferred = []
+        return self.data_to_send()
+
+    def connection_lost(self) -> list[Event]:
+        """The connection dropped: keep what a fresh one must repeat."""
+        self.connected = False
+        self.send_failed(self.data_to_send())
+        for turn in self.turns.values():
+            turn.following = False
+        generate = ClientMessageType.GENERATE.value
+        self.pending = {i: p for i, p in self.pending.items() if p.kind == generate}
+        if self.reconnect:
+            return []
+        return self.fail_all(ConnectionLost("the connection dropped and reconnect is off"))
+
+    def fail_all(self, exc: WsinferError, *, everything: bool = False) -> list[Event]:
+        """Give up: live turns (all turns with ``everything``) and every waiting request fail."""
+        events: list[Event] = []
+        for turn in list(self.turns.values()):
+            if everything or turn.live:
+                events += self._fail_turn(turn, exc)
+        for pending in self.pending.values():
+            events.append(Refused(pending.kind, pending.waiter, exc))
+        self.pending.clear()
+        if everything:
+            self._deferred.clear()
+        return events
+
+    # --- receiving -------------------------------------------------------------------
+
+    def receive(self, msg: Mapping[str, Any]) -> list[Event]:
+        """One decoded server message in, the events it causes out."""
+        kind = msg.get("type")
+        if kind in _STATUS_AFTER:
+            return self._on_turn_event(msg)
+        if kind == ServerMessageType.SESSION.value:
+            return self._on_session(msg)
+        if kind == ServerMessageType.ERROR.value:
+            return self._on_error(msg)
+        return []
+
+    def _on_turn_event(self, msg: Mapping[str, Any]) -> list[Event]:
+        turn = self.turns.get(str(msg.get("session")))
+        if turn is None:
+            return []
+        event = turn.apply(msg)
+        if turn.finished:
+            self._forget(turn)
+        return [] if event is None else [TurnUpdated(turn, event)]
+
+    def _on_session(self, msg: Mapping[str, Any]) -> list[Event]:
+        pending = self.pending.pop(msg.get("id"), None)  # type: ignore[arg-type]
+        if pending is None:
+            return []
+        if pending.kind != ClientMessageType.GENERATE.value:
+            return self._on_status(pending, msg)  # a resume answered with the turn's status
+        turn = TurnState(str(msg["session"]), str(msg["token"]), int(msg["turn"]))
+        turn.apply_status(msg.get("status"))
+        turn.following = True  # the server attaches the connection that generated
+        self._register(turn)
+        return [TurnStarted(pending.waiter, turn)]
+
+    def _on_status(self, pending: Pending, msg: Mapping[str, Any]) -> list[Event]:
+        turn = pending.turn
+        if turn is None:
+            return []
+        if turn.turn < 0 and "turn" in msg:
+            turn.turn = int(msg["turn"])  # joined without knowing the turn: adopt it
+        event = turn.apply_status(msg.get("status"))
+        return [] if event is None else [TurnUpdated(turn, event)]
+
+    def _on_error(self, msg: Mapping[str, Any]) -> list[Event]:
+        exc = error_from_wire(msg)
+        if "id" in msg:
+            pending = self.pending.pop(msg["id"], None)
+            if pending is None:
+                return []
+            events: list[Event] = [Refused(pending.kind, pending.waiter, exc)]
+            # A refused resume leaves the turn unreachable; a refused stop or
+            # pause is its caller's problem only.
+            if pending.kind == ClientMessageType.RESUME.value and pending.turn is not None:
+                events += self._fail_turn(pending.turn, exc)
+            return events
+        # Without an id it can only concern a session's running turn.
+        turn = self.turns.get(str(msg.get("session")))
+        return [] if turn is None else self._fail_turn(turn, exc)
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _track(self, msg: Message, pending: Pending | None) -> None:
+        msg["id"] = msg_id = next(self._ids)
+        if pending is not None:
+            self.pending[msg_id] = pending
+        if self.connected:
+            self._outbox.append(msg)
+
+    def _control(self, turn: TurnState, kind: str, waiter: Any) -> None:
+        msg = control_request(kind, turn.session, turn.token)
+        self._track(msg, Pending(kind, msg, waiter, turn))
+
+    def _follow(self, turn: TurnState, waiter: Any) -> None:
+        """``resume`` from the last seq applied here, unless this connection follows already."""
+        if turn.following:
+            return
+        extra: dict[str, Any] = {"after": turn.seq}
+        if turn.turn >= 0:  # unknown for a turn joined with attach(turn=None)
+            extra["turn"] = turn.turn
+        msg = control_request(ClientMessageType.RESUME.value, turn.session, turn.token, **extra)
+        self._track(msg, Pending(ClientMessageType.RESUME.value, msg, waiter, turn))
+        turn.following = True
+
+    def _rejoin(self, turn: TurnState) -> None:
+        """Repeat on a fresh connection what the caller asked of a live turn."""
+        stop, pause = ClientMessageType.STOP.value, ClientMessageType.PAUSE.value
+        if stop in turn.requested:
+            self._control(turn, stop, turn.requested[stop])
+        self._follow(turn, None)
+        if pause in turn.requested and stop not in turn.requested:
+            self._control(turn, pause, turn.requested[pause])
+
+    def _fail_turn(self, turn: TurnState, exc: WsinferError) -> list[Event]:
+        failed = turn.fail(exc)
+        self._forget(turn)
+        return [TurnFailed(turn, exc)] if failed else []
+
+    def _register(self, turn: TurnState) -> None:
+        self.turns[turn.session] = turn
+        self.tokens[turn.session] = turn.token
+
+    def _forget(self, turn: TurnState) -> None:
+        if self.turns.get(turn.session) is turn:
+            del self.turns[turn.session]
+        for msg_id in [i for i, p in self.pending.items() if p.turn is turn]:
+            del self.pending[msg_id]

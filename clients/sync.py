@@ -99,6 +99,10 @@ class SyncTurn:
         return self.aturn.text
 
     @property
+    def status(self) -> str | None:
+        return self.aturn.status
+
+    @property
     def finish_reason(self) -> str | None:
         return self.aturn.finish_reason
 

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from wsinfer.clients.errors import WsinferError
 from wsinfer.clients.protocol import ChatMessage, TurnState, Usage
+from wsinfer.contract import ClientMessageType
 
 if TYPE_CHECKING:
-    from websockets.asyncio.client import ClientConnection
-
     from wsinfer.clients.client import Client
 
 
@@ -28,8 +27,8 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-def new_ack() -> asyncio.Future[None]:
-    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+def new_ack() -> asyncio.Future[Any]:
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     fut.add_done_callback(_retrieve)
     return fut
 
@@ -41,75 +40,68 @@ class Turn:
     reconnects. When the turn ends with ``finish_reason == "error"`` the
     iteration (and ``wait()``) raises the mapped ``WsinferError`` after the
     text that did arrive; ``turn.finish_reason`` and ``turn.error`` say so too.
+    Its state (``TurnState``) belongs to the client's sans-I/O core; this
+    object only wakes the callers waiting on it.
     """
 
     def __init__(self, client: Client, state: TurnState) -> None:
         self._client = client
-        self._state = state
+        self.state = state
+        state.handle = self
         self._wakeup: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._failure: WsinferError | None = None
         self._events = 0
-        # What the caller asked for, so a reconnect can repeat it.
-        self.stop_requested = False
-        self.pause_requested = False
-        self.stop_ack: asyncio.Future[None] | None = None
-        self.pause_ack: asyncio.Future[None] | None = None
-        # The connection that follows this turn's session (None: none does).
-        self.following: ClientConnection | None = None
 
     # --- what the caller reads ----------------------------------------------
 
     @property
     def session(self) -> str:
-        return self._state.session
+        return self.state.session
 
     @property
     def token(self) -> str:
-        return self._state.token
+        return self.state.token
 
     @property
     def turn(self) -> int:
-        return self._state.turn
+        return self.state.turn
 
     @property
     def seq(self) -> int:
-        return self._state.seq
+        return self.state.seq
 
     @property
     def text(self) -> str:
-        return self._state.text
+        return self.state.text
+
+    @property
+    def status(self) -> str | None:
+        """``queued``, ``running``, ``paused`` or ``done``, as the server last said."""
+        return None if self.state.status is None else self.state.status.value
 
     @property
     def finish_reason(self) -> str | None:
-        return self._state.finish_reason
+        return self.state.finish_reason
 
     @property
     def usage(self) -> Usage | None:
-        return self._state.usage
+        return self.state.usage
 
     @property
     def paused(self) -> bool:
-        return self._state.paused
+        return self.state.paused
 
     @property
     def error(self) -> WsinferError | None:
-        return self._state.error or self._failure
+        return self.state.error or self.state.failure
 
     @property
     def finished(self) -> bool:
         """Done on the server, or given up on by the client."""
-        return self._state.done or self._failure is not None
+        return self.state.finished
 
     @property
-    def live(self) -> bool:
-        """Whether a reconnect should re-attach to it.
-
-        A turn the caller paused (and the server confirmed) is left alone:
-        re-attaching means ``resume``, which would un-pause it.
-        """
-        if self.finished:
-            return False
-        return self.stop_requested or not (self.pause_requested and self._state.paused)
+    def stop_requested(self) -> bool:
+        return ClientMessageType.STOP.value in self.state.requested
 
     def __repr__(self) -> str:
         return (
@@ -119,17 +111,9 @@ class Turn:
 
     # --- fed by the client ----------------------------------------------------
 
-    def apply(self, msg: Mapping[str, Any]) -> None:
-        if self._state.apply(msg) is not None:
-            self._events += 1
-            self._notify()
-
-    def fail(self, exc: WsinferError) -> None:
-        if not self.finished:
-            self._failure = exc
-            self._notify()
-
-    def _notify(self) -> None:
+    def changed(self) -> None:
+        """The core applied an event to this turn (or gave up on it)."""
+        self._events += 1
         wakeup, self._wakeup = self._wakeup, asyncio.get_running_loop().create_future()
         if not wakeup.done():
             wakeup.set_result(None)
@@ -142,7 +126,7 @@ class Turn:
     async def _iterate(self) -> AsyncIterator[str]:
         index = 0
         while True:
-            parts = self._state.parts
+            parts = self.state.parts
             while index < len(parts):
                 yield parts[index]
                 index += 1
@@ -172,31 +156,29 @@ class Turn:
         """
         if self.finished:
             return self.finish_reason
-        self.stop_requested = True
-        self.stop_ack = new_ack()
-        await self._client.send_stop(self)
+        ack = new_ack()
+        await self._client.send_control(self, ClientMessageType.STOP, ack)
         if wait:
-            await self._until(lambda: self.finished, self.stop_ack)
+            await self._until(lambda: self.finished, ack)
         return self.finish_reason
 
     async def pause(self) -> int:
         """Halt generation, keeping the turn; returns the seq it halted at."""
-        if self.finished or (self.pause_requested and self.paused):
+        pausing = ClientMessageType.PAUSE.value in self.state.requested
+        if self.finished or (pausing and self.paused):
             return self.seq
-        self.pause_requested = True
-        self.pause_ack = new_ack()
-        await self._client.send_pause(self)
-        await self._until(lambda: self.paused or self.finished, self.pause_ack)
+        ack = new_ack()
+        await self._client.send_control(self, ClientMessageType.PAUSE, ack)
+        await self._until(lambda: self.paused or self.finished, ack)
         return self.seq
 
     async def resume(self) -> None:
         """Continue a paused turn; returns once the server streams again."""
         if self.finished:
             return
-        self.pause_requested = False
         seen = self._events
         ack = new_ack()
-        await self._client.send_resume(self, ack)
+        await self._client.send_control(self, ClientMessageType.RESUME, ack)
         # A `paused` replayed from before the resume is not "streaming again".
         await self._until(lambda: (self._events != seen and not self.paused) or self.finished, ack)
         self._raise_if_failed()
@@ -204,7 +186,8 @@ class Turn:
     def stop_soon(self) -> None:
         """Stop without waiting, from code that must not await (e.g. a finalizer)."""
         if not self.finished and not self.stop_requested:
-            self.stop_requested = True  # now, so that waiters see it before the task runs
+            # Recorded now, so that waiters see it before the task runs.
+            self.state.requested[ClientMessageType.STOP.value] = None
             self._client.spawn(self.stop(wait=False))
 
     async def _until(
@@ -212,8 +195,8 @@ class Turn:
     ) -> None:
         """Wait until ``ready()``; raise if the server refuses ``ack``'s request."""
         while not ready():
-            if self._failure is not None:
-                raise self._failure
+            if self.state.failure is not None:
+                raise self.state.failure
             waiters: list[Awaitable[Any]] = [self._wakeup] if ack is None else [self._wakeup, ack]
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
             if ack is not None and ack.done():

@@ -386,7 +386,7 @@ class EngineCore(CoreBase):
     def _fail_all(self, message: str) -> list[RequestOutput]:
         failed = list(self.rows.seqs) + list(self._prefilling)
         self._pending = None
-        return [self._final_output(s, "error", [], "", error=message) for s in failed]
+        return self._faulted(failed, message)
 
 
 def _timing_event() -> torch.cuda.Event:

@@ -258,7 +258,7 @@ class EagerEngineCore(CoreBase):
             seq.row = None
         self._rows = []
         self._batch = KVBuffer(self.layer_devices, self.dtype)
-        return [self._final_output(s, "error", [], "", error=message) for s in failed]
+        return self._faulted(failed, message)
 
     def _tensor(self, data: Any) -> torch.Tensor:
         return to_device(data, self.device)

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from wsinfer.sessions.schema import FinishReason, GenerationParams, Usage
+from wsinfer.contract import ErrorCode
+from wsinfer.sessions.schema import FinishReason, GenerationParams, TurnError, Usage
 
 from .detokenizer import IncrementalDetokenizer
 from .model import LoadedModel
@@ -63,7 +64,7 @@ class RequestOutput:
     paused: bool = False
     usage: Usage | None = None
     kv_len: int | None = None
-    error: str | None = None
+    error: TurnError | None = None  # with finish_reason "error": its code, chosen here
 
 
 @dataclass(eq=False)
@@ -148,12 +149,13 @@ class CoreBase:
 
     # --- admission -----------------------------------------------------------
 
-    def _validate(self, request: EngineRequest) -> str | None:
+    def _validate(self, request: EngineRequest) -> TurnError | None:
         total = len(request.prompt_ids) + len(request.generated_ids)
         if total == 0:
-            return "empty prompt"
+            return TurnError(ErrorCode.BAD_REQUEST, "empty prompt")
         if total >= self.max_context:
-            return f"prompt of {total} tokens does not fit the context of {self.max_context}"
+            message = f"prompt of {total} tokens does not fit the context of {self.max_context}"
+            return TurnError(ErrorCode.TOO_LARGE, message)
         return None
 
     def _new_sequence(self, request: EngineRequest) -> Any:
@@ -221,7 +223,7 @@ class CoreBase:
         text: str,
         *,
         paused: bool = False,
-        error: str | None = None,
+        error: TurnError | None = None,
     ) -> RequestOutput:
         """Remove ``seq`` (retaining its KV under its cache key) and build its last output."""
         kv_len = self._retain(seq) if error is None else None
@@ -240,7 +242,12 @@ class CoreBase:
             error=error,
         )
 
-    def _error_output(self, request: EngineRequest, error: str) -> RequestOutput:
+    def _faulted(self, failed: list[Any], message: str) -> list[RequestOutput]:
+        """End ``failed`` with an error of ours (a forward broke), not the requests'."""
+        error = TurnError(ErrorCode.INTERNAL, message)
+        return [self._final_output(s, "error", [], "", error=error) for s in failed]
+
+    def _error_output(self, request: EngineRequest, error: TurnError) -> RequestOutput:
         n = len(request.generated_ids)
         usage = Usage(len(request.prompt_ids), n, 0)
         return RequestOutput(request.request_id, [], "", n, True, "error", usage=usage, error=error)

@@ -303,7 +303,7 @@ class EngineMetrics:
         if isinstance(final, DoneEvent):
             fields["finish_reason"] = final.finish_reason
             if final.error:
-                fields["error"] = final.error.get("message")
+                fields["error"] = final.error.message
             log.info("turn finished", **fields)
         else:
             log.info("turn paused", **fields)

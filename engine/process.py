@@ -20,6 +20,7 @@ from typing import Any
 import redis
 import structlog
 
+from wsinfer.contract import ErrorCode
 from wsinfer.engine.core import EngineConfig, EngineRequest, RequestOutput, build_core
 from wsinfer.engine.defaults import default_dtype, resolve_device
 from wsinfer.engine.fake import FakeLoaded, fake_engine, is_fake
@@ -28,8 +29,15 @@ from wsinfer.engine.model import LoadedModel, ModelLoadError, load_model
 from wsinfer.engine.outage import OutageGuard
 from wsinfer.engine.prompts import render_chat, render_text
 from wsinfer.sessions.connection import sync_client
-from wsinfer.sessions.schema import DeltaEvent, DoneEvent, PausedEvent, TurnEvent, Usage
-from wsinfer.sessions.store import DEFAULT_SESSION_TTL_S
+from wsinfer.sessions.schema import (
+    DEFAULT_SESSION_TTL_S,
+    DeltaEvent,
+    DoneEvent,
+    PausedEvent,
+    TurnError,
+    TurnEvent,
+    Usage,
+)
 from wsinfer.sessions.worker import ClaimedTurn, Publish, TurnHistory, WorkerStore, WorkItem
 from wsinfer.startup import StartupError, require_redis, serve_metrics
 
@@ -43,7 +51,9 @@ class ProcessConfig:
     lease_ms: int = 10_000  # a turn whose engine is silent this long is taken over
     heartbeat_s: float = 1.0
     idle_pause_s: float = 60.0  # pause a turn nobody has watched for this long
-    session_ttl_s: int = DEFAULT_SESSION_TTL_S  # the frontend's --session-ttl: one setting
+    # --session-ttl: the registry's and queues' lifetime, and the sessions' for
+    # those that recorded none (each session records the TTL it was created with).
+    session_ttl_s: int = DEFAULT_SESSION_TTL_S
     poll_interval_s: float = 0.05
     idle_block_ms: int = 1000
     drain: bool = False  # exit once there is no more work (tests, batch jobs)
@@ -198,7 +208,7 @@ class EngineProcess:
         prompt_ids = self.store.load_prompt(session, turn)
         if prompt_ids is None:
             prompt_ids = self._render(history)
-            self.store.save_prompt(session, turn, prompt_ids)
+            self.store.save_prompt(claimed, prompt_ids)
         generated, seq = self.store.read_generated(session, turn)
         request_id = f"{session}:{turn}"
         self.active[request_id] = ActiveTurn(
@@ -241,17 +251,14 @@ class EngineProcess:
         return render_chat(tokenizer, messages + (current.messages or []))
 
     def _fail(self, item: WorkItem, claimed: ClaimedTurn, exc: Exception) -> None:
-        seq = int(claimed.meta.get("seq", 0))
-        done = DoneEvent(
-            seq,
-            "error",
-            Usage(completion_tokens=seq),
-            # A missing input means the session expired under the turn: the
-            # client's mistake to wait that long, not our fault.
-            {"code": "not_found", "message": "the session expired"}
-            if isinstance(exc, LookupError)
-            else {"code": "internal", "message": "engine could not start the turn"},
-        )
+        seq = claimed.meta.seq
+        # A missing input means the session expired under the turn: the
+        # client's mistake to wait that long, not our fault.
+        if isinstance(exc, LookupError):
+            error = TurnError(ErrorCode.NOT_FOUND, "the session expired")
+        else:
+            error = TurnError(ErrorCode.INTERNAL, "engine could not start the turn")
+        done = DoneEvent(seq, "error", Usage(completion_tokens=seq), error)
         self.store.publish_many(
             [Publish(claimed.session, claimed.turn, claimed.epoch, seq, [done])]
         )
@@ -317,7 +324,7 @@ class EngineProcess:
             num_generated=turn.seq,
             finished=True,
             finish_reason="error",
-            error=f"engine fault: {exc}",
+            error=TurnError(ErrorCode.INTERNAL, f"engine fault: {exc}"),
         )
 
     # --- publishing ------------------------------------------------------------------
@@ -346,15 +353,27 @@ class EngineProcess:
         fields: dict[str, Any] = {"pub": turn.published + 1}
         if not turn.announced:
             fields["prompt_tokens"] = turn.prompt_tokens
+        if_stopped = None
         if out.finished or out.paused:
             events.append(_final_event(out))
+            cached = out.usage.cached_tokens if out.usage else 0
             fields["kv_engine"] = self.config.engine_id if out.kv_len else ""
             fields["kv_len"] = out.kv_len or 0
             # Kept for a stop that ends the turn later without the engine (paused, then stopped).
-            fields["cached_tokens"] = out.usage.cached_tokens if out.usage else 0
+            fields["cached_tokens"] = cached
+            if out.paused:  # what the pause becomes if the client's stop got there first
+                usage = Usage(turn.prompt_tokens, out.num_generated, cached)
+                if_stopped = DoneEvent(out.num_generated, "cancelled", usage)
         prev_seq, turn.seq = turn.seq, out.num_generated
         return Publish(
-            turn.session, turn.turn, turn.epoch, out.num_generated, events, fields, prev_seq
+            turn.session,
+            turn.turn,
+            turn.epoch,
+            out.num_generated,
+            events,
+            fields,
+            prev_seq,
+            if_stopped,
         )
 
     def _after_publish(self, request_id: str, item: Publish, outcome: str) -> None:
@@ -391,10 +410,8 @@ def _final_event(out: RequestOutput) -> TurnEvent:
         return PausedEvent(out.num_generated)
     usage = out.usage or Usage(completion_tokens=out.num_generated)
     error = None
-    if out.finish_reason == "error":
-        message = out.error or "generation failed"
-        code = "too_large" if "too long" in message or "context" in message else "internal"
-        error = {"code": code, "message": message}
+    if out.finish_reason == "error":  # the core chose the code where the error happened
+        error = out.error or TurnError(ErrorCode.INTERNAL, "generation failed")
     return DoneEvent(out.num_generated, out.finish_reason or "stop", usage, error)
 
 

@@ -16,6 +16,7 @@ scripts, multi-stream reads) asks ``is_cluster`` and goes its own way.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ import redis.cluster
 import redis.sentinel
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ClusterDownError
+from redis.exceptions import ClusterError, MaxConnectionsError, TryAgainError
 from redis.retry import Retry
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -40,6 +41,19 @@ SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 FAILOVER_RETRIES = 12
 FAILOVER_BACKOFF_CAP_S = 1.0
 FAILOVER_WINDOW_S = 15.0  # a script call is retried this long before its error stands
+# While a slot migrates, a command on keys of which some have moved and some
+# not gets TRYAGAIN; redis-py retries it for about 0.4 s, then raises
+# ClusterError("TTL exhausted"), and the frontend would refuse the request
+# (a resume, a stop). The asyncio cluster client retries such a command (never
+# run by Redis) for this long, which covers moving one session's keys even one
+# at a time on a loaded machine.
+CLUSTER_PATIENCE_S = 5.0
+# redis-py's asyncio cluster client opens a connection per concurrent command
+# to a node, up to its max_connections (100 by default), then fails at once
+# (MaxConnectionsError): 200 turns started together on one frontend all XADD
+# to the {q} node. So more connections per node, and a command that still
+# finds none free waits for one (within CLUSTER_PATIENCE_S).
+CLUSTER_MAX_CONNECTIONS = 1000
 
 
 @dataclass(frozen=True)
@@ -118,10 +132,29 @@ def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
         nodes = [acluster.ClusterNode(h, p) for h, p in target.nodes]
         # redis-py's own retry policy: a custom one here made concurrent
         # commands on a fresh client share a connection and run twice.
-        client = acluster.RedisCluster(startup_nodes=nodes, **_auth(target), **kwargs)
+        client = PatientCluster(
+            startup_nodes=nodes, max_connections=CLUSTER_MAX_CONNECTIONS, **_auth(target), **kwargs
+        )
         return cast(aioredis.Redis, client)
     sentinel = asentinel.Sentinel(target.nodes, sentinel_kwargs=_sentinel_auth(target), **kwargs)
     return sentinel.master_for(target.service, retry=_async_retry(), **_auth(target, db=True))
+
+
+class PatientCluster(acluster.RedisCluster):
+    """redis-py's asyncio cluster client, patient with a slot in migration and
+    with a burst of commands."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + CLUSTER_PATIENCE_S
+        while True:
+            try:
+                return await super().execute_command(*args, **kwargs)
+            # The command did not run, so it is safe to repeat: TRYAGAIN,
+            # CLUSTERDOWN, redis-py out of redirections or of connections.
+            except (ClusterError, TryAgainError, MaxConnectionsError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
 
 async def ready(client: aioredis.Redis) -> None:
@@ -196,7 +229,8 @@ def _distinct(calls: list[ScriptCall]) -> list[Any]:
 
 
 def _retry_alone(call: ScriptCall) -> Any:
-    """One call through the cluster client, again while a failover is under way.
+    """One call through the cluster client, again while a failover or a slot
+    migration is under way.
 
     Safe to repeat: the session scripts recognise a call that already took
     effect (the publish's ``pub`` number), so a reply lost with its connection
@@ -207,7 +241,9 @@ def _retry_alone(call: ScriptCall) -> Any:
     while True:
         try:
             return script(keys=keys, args=args)
-        except (redis.ConnectionError, redis.TimeoutError, ClusterDownError) as exc:
+        # ClusterError: CLUSTERDOWN, or redis-py out of redirections while a
+        # slot migrates; TryAgainError: the session's keys are half moved.
+        except (redis.ConnectionError, redis.TimeoutError, ClusterError, TryAgainError) as exc:
             if time.monotonic() > deadline:
                 return exc
             time.sleep(0.25)
@@ -240,8 +276,6 @@ async def run_scripts_async(client: aioredis.Redis, calls: list[ScriptCall]) -> 
                 queue_script(pipe, script, list(keys), list(args))
 
         return await run_pipeline(client, build, _distinct(calls))
-    import asyncio
-
     replies: list[Any] = []
     for start in range(0, len(calls), 64):
         chunk = calls[start : start + 64]

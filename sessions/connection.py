@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import ClusterDownError, TryAgainError
+from redis.exceptions import ClusterError, TryAgainError
 
 from wsinfer.sessions import connect
 
@@ -46,7 +46,9 @@ def is_outage(exc: BaseException) -> bool:
     restarted Redis without persistence is while it loads (BUSY/LOADING)."""
     if isinstance(exc, OUTAGE_ERRORS):
         return True
-    if isinstance(exc, ClusterDownError | TryAgainError):  # a cluster failing over
+    # A cluster failing over or moving a slot: CLUSTERDOWN, TRYAGAIN, or
+    # redis-py giving up on its own redirections ("TTL exhausted").
+    if isinstance(exc, ClusterError | TryAgainError):
         return True
     return isinstance(exc, redis.ResponseError) and str(exc).startswith(("LOADING", "BUSY"))
 

@@ -60,9 +60,19 @@ def frontend_wake(frontend_id: str) -> str:
     return f"{PREFIX}:{{{frontend_id}}}:frontend:wake"
 
 
+def frontend_wake_cold(frontend_id: str) -> str:
+    """Stream a frontend adds to so its fan-in's XREAD of quiet streams is re-issued."""
+    return f"{PREFIX}:{{{frontend_id}}}:frontend:wake:cold"
+
+
 def session_wake(session: str) -> str:
     """Sharded pub/sub channel: "this session's stream grew" (cluster fan-in wake-ups)."""
     return f"{PREFIX}:{{{session}}}:wake"
+
+
+def idempotency(key_hash: str) -> str:
+    """String: the session a new-session generate with this idempotency key made."""
+    return f"{PREFIX}:{{{key_hash}}}:idem"
 
 
 def session_of(key: str) -> str:

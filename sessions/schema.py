@@ -1,8 +1,10 @@
-"""Typed messages shared by the frontend and the engine, and their Redis encoding.
+"""The turn record: everything the frontend and the engine exchange through Redis.
 
 Every message that crosses Redis between the two sides is defined here, and
-encoded or decoded here only (msgpack in one stream field, ``m``), so the two
-sides cannot drift apart.
+encoded or decoded here only (msgpack in one stream field, ``m``; the Lua
+scripts receive events already encoded), so the two sides cannot drift apart:
+the settings both sides must agree on, a turn's input, the work items, the
+turn stream's events, the errors they carry, and the session's meta hash.
 """
 
 from __future__ import annotations
@@ -12,6 +14,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import msgpack
+
+from wsinfer.contract import ErrorCode
+
+# Settings every process that writes session keys shares. A session records
+# its TTL when it is created, and every later write (a turn, a publish, a
+# touch) renews its keys with that TTL, whatever process makes it.
+DEFAULT_SESSION_TTL_S = 3600
+# How long a closed session's last stream stays, so followers see its end.
+CLOSE_LINGER_S = 30
+# An engine whose last heartbeat is older than this is not routed to.
+ENGINE_FRESH_S = 5.0
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -137,6 +150,99 @@ class Usage:
     cached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class TurnInput:
+    """What a client asked for in one ``generate``: the engine renders it."""
+
+    mode: str  # "chat" (messages) or "text" (prompt)
+    messages: list[dict[str, str]] | None
+    prompt: str | None
+    params: GenerationParams
+
+    def pack(self) -> bytes:
+        data = {
+            "mode": self.mode,
+            "messages": self.messages,
+            "prompt": self.prompt,
+            "params": self.params.to_dict(),
+        }
+        return bytes(msgpack.packb(data, use_bin_type=True))
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> TurnInput:
+        data = msgpack.unpackb(raw, raw=False)
+        data["params"] = GenerationParams.from_dict(data["params"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class SessionMeta:
+    """A session's meta hash (``keys.meta``), typed.
+
+    The attribute names are the hash's field names, the ones the Lua scripts
+    read and write (a test holds the scripts to this list). Fields this
+    version does not know (written by a newer one) are ignored.
+    """
+
+    token: str = ""  # sha256 of the owner's token
+    mode: str = ""  # chat | text, fixed by the first turn
+    created: float = 0.0
+    ttl: int = DEFAULT_SESSION_TTL_S  # seconds the keys live after each write
+    turn: int = 0  # the latest turn; the status below is its status
+    status: str = ""
+    seq: int = 0  # the last event's seq in the latest turn's stream
+    control: str = ""  # stop | pause, asked of the engine running the turn
+    engine: str = ""  # the engine running the turn ('' when none)
+    epoch: int = 0  # bumped by every claim: fences an engine taken over
+    claimed_at: float = 0.0
+    pub: int = 0  # publishes since the claim (retries are idempotent)
+    seen_at: float = 0.0  # last time a client watched the session (idle pause)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    kv_engine: str = ""  # the engine holding the session's KV cache
+    kv_len: int = 0
+
+    @classmethod
+    def from_hash(cls, raw: dict[Any, Any]) -> SessionMeta:
+        known = cls.__dataclass_fields__
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            name = as_str(key)
+            if name in known:
+                values[name] = _META_TYPES[str(known[name].type)](as_str(value))
+        return cls(**values)
+
+    def counters(self) -> str:
+        """What a pre-encoded cancel or pause event was computed from; the
+        scripts refuse to write it (``moved``) if the hash says otherwise."""
+        return f"{self.turn}:{self.seq}:{self.prompt_tokens}:{self.cached_tokens}"
+
+    def cancelled(self) -> DoneEvent:
+        """The ``done`` that ends this turn without an engine (a stop, a close)."""
+        usage = Usage(self.prompt_tokens, self.seq, self.cached_tokens)
+        return DoneEvent(self.seq, "cancelled", usage)
+
+
+# The hash holds text; an empty number is a field some script cleared.
+_META_TYPES: dict[str, Any] = {
+    "str": str,
+    "int": lambda text: int(float(text or 0)),
+    "float": lambda text: float(text or 0),
+}
+
+
+@dataclass(frozen=True)
+class TurnError:
+    """Why a turn ended with ``finish_reason: error``: the code is chosen where
+    the error happens (the engine core, the engine process) and travels as is."""
+
+    code: ErrorCode
+    message: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code.value, "message": self.message}
+
+
 # --- work items: frontend -> engines (requests stream) ----------------------
 
 
@@ -150,18 +256,6 @@ class TurnRequest:
 
     session: str
     turn: int
-
-
-# --- control: frontend -> the engine running a turn --------------------------
-
-ControlAction = Literal["stop", "pause"]
-
-
-@dataclass(frozen=True)
-class Control:
-    session: str
-    turn: int
-    action: ControlAction
 
 
 # --- turn stream events: engine -> frontends (one stream per turn) -----------
@@ -186,7 +280,7 @@ class DoneEvent:
     seq: int
     finish_reason: FinishReason
     usage: Usage = field(default_factory=Usage)
-    error: dict[str, str] | None = None
+    error: TurnError | None = None
     kind: Literal["done"] = "done"
 
 
@@ -198,19 +292,27 @@ def as_str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def encode(message: Any) -> dict[str, bytes]:
-    """Encode a schema dataclass as the fields of one Redis stream entry."""
+def encode(message: Any) -> dict[Any, Any]:
+    """Encode a schema dataclass as the fields of one Redis stream entry
+    (typed as redis-py's field maps are: any key, any value)."""
+    return {"m": pack(message)}
+
+
+def pack(message: Any) -> bytes:
+    """The msgpack payload of a stream entry (what the Lua scripts write)."""
     if type(message) is DeltaEvent:  # one per token: asdict's deep copy was a quarter of
         # an engine's publishing time under fan-out load; the same map, built directly.
         data: Any = {"seq": message.seq, "text": message.text, "tokens": message.tokens}
         data["kind"] = "delta"
     else:
         data = asdict(message)
-    return {"m": msgpack.packb(data, use_bin_type=True)}
+        if isinstance(message, DoneEvent) and message.error is not None:
+            data["error"] = message.error.to_dict()
+    return bytes(msgpack.packb(data, use_bin_type=True))
 
 
-def _decode_fields(fields: dict[Any, Any]) -> dict[str, Any]:
-    raw = fields.get(b"m", fields.get("m"))
+def _decode_fields(fields: dict[Any, Any] | None) -> dict[str, Any]:
+    raw = fields.get(b"m", fields.get("m")) if fields else None
     if raw is None:
         raise ValueError("stream entry has no 'm' field")
     data = msgpack.unpackb(raw, raw=False)
@@ -219,7 +321,7 @@ def _decode_fields(fields: dict[Any, Any]) -> dict[str, Any]:
     return data
 
 
-def decode_event(fields: dict[Any, Any]) -> TurnEvent:
+def decode_event(fields: dict[Any, Any] | None) -> TurnEvent:
     data = _decode_fields(fields)
     kind = data.pop("kind")
     if kind == "delta":
@@ -228,13 +330,12 @@ def decode_event(fields: dict[Any, Any]) -> TurnEvent:
         return PausedEvent(**data)
     if kind == "done":
         data["usage"] = Usage(**data.get("usage") or {})
+        error = data.get("error")
+        if error is not None:
+            data["error"] = TurnError(ErrorCode(error["code"]), str(error["message"]))
         return DoneEvent(**data)
     raise ValueError(f"unknown turn event kind {kind!r}")
 
 
 def decode_request(fields: dict[Any, Any]) -> TurnRequest:
     return TurnRequest(**_decode_fields(fields))
-
-
-def decode_control(fields: dict[Any, Any]) -> Control:
-    return Control(**_decode_fields(fields))

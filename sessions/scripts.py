@@ -2,7 +2,13 @@
 
 Each script touches only one session's keys (one hash slot), so they run on
 Redis Cluster too. The legal statuses come in as arguments computed from
-``states.TRANSITIONS``; no script hard-codes the state machine.
+``states.TRANSITIONS``, and the events come in already encoded by
+``schema.pack``: the scripts know the meta hash's fields (``schema.SessionMeta``)
+but neither the state table nor the events' format.
+
+A session's keys live ``ttl`` seconds (a field of its meta, set when it is
+created) after each write, whichever process writes: the TTL argument a
+caller passes only stands in for a session that has none recorded.
 
 Scripts that append to a turn's stream also SPUBLISH on the session's wake
 channel (its third KEY, same slot): on a cluster the frontends' fan-in waits on
@@ -10,14 +16,16 @@ those channels, one connection per node, since one XREAD cannot span slots.
 
 Replies are flat arrays whose first element says what happened:
 ``ok``, ``not_found`` (no such session, or wrong token), ``illegal`` (then the
-current status), ``stale`` (the session moved on to another turn) or
-``fenced`` (another engine now owns the turn).
+current status), ``stale`` (the session moved on to another turn), ``fenced``
+(another engine now owns the turn) or ``moved`` (the counters a pre-encoded
+event was computed from changed: read the meta again and retry).
 """
 
 from __future__ import annotations
 
-# Shared Lua prelude: membership test for the comma-separated status list, and
-# ending a turn as cancelled (a client's stop), used by CONTROL and PUBLISH.
+# Shared Lua prelude: membership test for the comma-separated status list, the
+# session's TTL, the counters a pre-encoded event depends on, and ending a turn
+# as cancelled (a client's stop) with such an event.
 _PRELUDE = """
 local function allowed(status, list)
   for s in string.gmatch(list, '[^,]+') do
@@ -25,30 +33,50 @@ local function allowed(status, list)
   end
   return false
 end
-local function cancel(meta, stream, seq, done_status)
-  local usage = {prompt_tokens = tonumber(redis.call('HGET', meta, 'prompt_tokens')) or 0,
-                 completion_tokens = seq,
-                 cached_tokens = tonumber(redis.call('HGET', meta, 'cached_tokens')) or 0}
-  redis.call('XADD', stream, '*', 'm', cmsgpack.pack(
-    {kind = 'done', seq = seq, finish_reason = 'cancelled', usage = usage}))
+local function ttl_of(meta, fallback)
+  return tonumber(redis.call('HGET', meta, 'ttl')) or tonumber(fallback)
+end
+local function counters(meta)
+  local out = {}
+  for _, name in ipairs({'turn', 'seq', 'prompt_tokens', 'cached_tokens'}) do
+    table.insert(out, tostring(tonumber(redis.call('HGET', meta, name)) or 0))
+  end
+  return table.concat(out, ':')
+end
+local function cancel(meta, stream, done_event, done_status)
+  redis.call('XADD', stream, '*', 'm', done_event)
   redis.call('HSET', meta, 'status', done_status, 'control', '')
 end
 """
 
 # KEYS: meta, turn_input, then every other key of the session (expiry pushed back)
-# ARGV: token_hash, is_new, next_turn, mode, input, now, ttl, allowed_from, target
+# ARGV: token_hash, is_new, next_turn, mode, input, now, ttl (recorded by a new
+#       session), allowed_from, target, idempotency key hash ('' for none)
+# A generate repeated with the key of a turn already started (a client that
+# lost the answer) starts nothing: {'repeat', turn, status} names that turn.
+# Each keyed turn is one meta field, idem:<key hash> = turn, gone with the session.
 START_TURN = (
     _PRELUDE
     + """
 local meta = KEYS[1]
+local function repeated()
+  if ARGV[10] == '' then return nil end
+  local turn = redis.call('HGET', meta, 'idem:' .. ARGV[10])
+  if not turn then return nil end
+  local status = 'done'  -- an earlier turn has ended, or the next could not have started
+  if turn == redis.call('HGET', meta, 'turn') then status = redis.call('HGET', meta, 'status') end
+  return {'repeat', turn, status}
+end
 local exists = redis.call('EXISTS', meta) == 1
 local status = 'new'
 if ARGV[2] == '1' then
-  if exists then return {'illegal', 'exists'} end
+  if exists then return repeated() or {'illegal', 'exists'} end
   redis.call('HSET', meta, 'token', ARGV[1], 'mode', ARGV[4], 'created', ARGV[6],
-             'turn', 0, 'epoch', 0, 'kv_engine', '', 'kv_len', 0)
+             'ttl', ARGV[7], 'turn', 0, 'epoch', 0, 'kv_engine', '', 'kv_len', 0)
 else
   if not exists or redis.call('HGET', meta, 'token') ~= ARGV[1] then return {'not_found'} end
+  local again = repeated()
+  if again then return again end
   status = redis.call('HGET', meta, 'status')
 end
 if not allowed(status, ARGV[8]) then return {'illegal', status} end
@@ -58,9 +86,11 @@ end
 if tonumber(redis.call('HGET', meta, 'turn')) + 1 ~= tonumber(ARGV[3]) then return {'stale'} end
 redis.call('HSET', meta, 'turn', ARGV[3], 'status', ARGV[9], 'seq', 0, 'control', '',
            'engine', '', 'seen_at', ARGV[6], 'prompt_tokens', 0, 'cached_tokens', 0)
-redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[7])
-redis.call('EXPIRE', meta, ARGV[7])
-for i = 3, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
+if ARGV[10] ~= '' then redis.call('HSET', meta, 'idem:' .. ARGV[10], ARGV[3]) end
+local ttl = ttl_of(meta, ARGV[7])
+redis.call('SET', KEYS[2], ARGV[5], 'EX', ttl)
+redis.call('EXPIRE', meta, ttl)
+for i = 3, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
 return {'ok'}
 """
 )
@@ -68,9 +98,11 @@ return {'ok'}
 # Client stop/pause/resume. The candidates are tried in order; the first whose
 # allowed statuses include the current one is applied. A client acting on a
 # session is watching it: seen_at is renewed, so a resumed turn is not taken
-# for idle the moment an engine claims it.
+# for idle the moment an engine claims it. The paused and cancelled events
+# come encoded from the caller, computed from the meta's counters it read.
 # KEYS: meta, turn_stream, session_wake
-# ARGV: token_hash, turn, ttl, now, n, then n times (allowed_from, target, effect)
+# ARGV: token_hash, turn, ttl, now, counters, paused_event, cancelled_event, n,
+#       then n times (allowed_from, target, effect)
 # effects: control:<value> | done_cancelled | paused | requeue
 CONTROL = (
     _PRELUDE
@@ -81,28 +113,30 @@ if redis.call('EXISTS', meta) == 0 or redis.call('HGET', meta, 'token') ~= ARGV[
 end
 if redis.call('HGET', meta, 'turn') ~= ARGV[2] then return {'stale'} end
 local status = redis.call('HGET', meta, 'status')
-local seq = tonumber(redis.call('HGET', meta, 'seq'))
-for i = 0, tonumber(ARGV[5]) - 1 do
-  local from, to, effect = ARGV[6 + 3 * i], ARGV[7 + 3 * i], ARGV[8 + 3 * i]
+local seq = redis.call('HGET', meta, 'seq')
+for i = 0, tonumber(ARGV[8]) - 1 do
+  local from, to, effect = ARGV[9 + 3 * i], ARGV[10 + 3 * i], ARGV[11 + 3 * i]
   if allowed(status, from) then
+    local writes = effect == 'done_cancelled' or effect == 'paused'
+    if writes and counters(meta) ~= ARGV[5] then return {'moved'} end
     redis.call('HSET', meta, 'status', to, 'seen_at', ARGV[4])
     if string.sub(effect, 1, 8) == 'control:' then
       redis.call('HSET', meta, 'control', string.sub(effect, 9))
     elseif effect == 'done_cancelled' then
-      cancel(meta, KEYS[2], seq, to)
-      redis.call('SPUBLISH', KEYS[3], seq)
+      cancel(meta, KEYS[2], ARGV[7], to)
     elseif effect == 'paused' then
-      redis.call('XADD', KEYS[2], '*', 'm', cmsgpack.pack({kind = 'paused', seq = seq}))
-      redis.call('SPUBLISH', KEYS[3], seq)
+      redis.call('XADD', KEYS[2], '*', 'm', ARGV[6])
     elseif effect == 'requeue' then
       redis.call('HSET', meta, 'control', '')
     end
-    redis.call('EXPIRE', meta, ARGV[3])
-    redis.call('EXPIRE', KEYS[2], ARGV[3])
-    return {'ok', effect, to, tostring(seq)}
+    if writes then redis.call('SPUBLISH', KEYS[3], seq) end
+    local ttl = ttl_of(meta, ARGV[3])
+    redis.call('EXPIRE', meta, ttl)
+    redis.call('EXPIRE', KEYS[2], ttl)
+    return {'ok', effect, to, seq}
   end
 end
-return {'illegal', status, tostring(seq)}
+return {'illegal', status, seq}
 """
 )
 
@@ -111,12 +145,16 @@ return {'illegal', status, tostring(seq)}
 # would re-create its meta as a stub.
 # KEYS: meta, then every other key of the session
 # ARGV: now, ttl
-TOUCH = """
+TOUCH = (
+    _PRELUDE
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'seen_at', ARGV[1])
-for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+local ttl = ttl_of(KEYS[1], ARGV[2])
+for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
 return 1
 """
+)
 
 # Engine: take a turn. A takeover (lease expired) bumps the epoch, which fences
 # the previous engine's later publishes.
@@ -141,8 +179,9 @@ return reply
 # Engine: append one step's events for a turn, fenced by the claim's epoch.
 # A stop the client asked for while the engine was pausing the turn (the engine
 # decided to pause, idle or asked to, before it saw the stop flag) is applied
-# here: the turn goes paused --stop--> done at once, with a cancelled done in
-# place of the paused event, instead of the pause silently dropping the stop.
+# here: the turn goes paused --stop--> done at once, with the cancelled done
+# the engine sent along in place of the paused event, instead of the pause
+# silently dropping the stop.
 # The publish continues from prev_seq: a session whose seq is not that lost
 # writes in a Redis failover (``gap``: the engine must rebuild the turn from
 # the token log rather than leave a hole in the stream).
@@ -150,18 +189,19 @@ return reply
 # ARGV: engine_id, epoch, ttl, seq, prev_seq ('' = unchecked),
 #       final_allowed_from ('' = not final),
 #       final_target, stop_allowed_from, stop_target ('' = no pending stop to
-#       apply), n_events, events..., then field/value pairs to set (``pub``:
-#       the engine's publish number for this claim, for idempotent retries)
+#       apply), cancelled_event, n_events, events..., then field/value pairs to
+#       set (``pub``: the engine's publish number for this claim, for
+#       idempotent retries)
 PUBLISH = (
     _PRELUDE
     + """
 local meta = KEYS[1]
 if redis.call('EXISTS', meta) == 0 then return {'not_found'} end
-local n = tonumber(ARGV[10])
+local n = tonumber(ARGV[11])
 -- A retry of a publish Redis already took (the reply was lost to an outage)
 -- is acknowledged without writing anything twice.
 local pub = nil
-for i = 11 + n, #ARGV, 2 do if ARGV[i] == 'pub' then pub = tonumber(ARGV[i + 1]) end end
+for i = 12 + n, #ARGV, 2 do if ARGV[i] == 'pub' then pub = tonumber(ARGV[i + 1]) end end
 if pub and redis.call('HGET', meta, 'epoch') == ARGV[2]
   and (tonumber(redis.call('HGET', meta, 'pub')) or 0) >= pub then
   return {'ok', redis.call('HGET', meta, 'control'), redis.call('HGET', meta, 'seen_at')}
@@ -179,27 +219,29 @@ local stop_pending = final and ARGV[9] ~= '' and redis.call('HGET', meta, 'contr
   and allowed(ARGV[7], ARGV[8])
 local written = n
 if stop_pending then written = n - 1 end  -- the paused event gives way to the done
-for i = 1, written do redis.call('XADD', KEYS[2], '*', 'm', ARGV[10 + i]) end
+for i = 1, written do redis.call('XADD', KEYS[2], '*', 'm', ARGV[11 + i]) end
 redis.call('HSET', meta, 'seq', ARGV[4])
-for i = 11 + n, #ARGV, 2 do redis.call('HSET', meta, ARGV[i], ARGV[i + 1]) end
+for i = 12 + n, #ARGV, 2 do redis.call('HSET', meta, ARGV[i], ARGV[i + 1]) end
 if stop_pending then
-  cancel(meta, KEYS[2], tonumber(ARGV[4]), ARGV[9])
+  cancel(meta, KEYS[2], ARGV[10], ARGV[9])
 elseif final then
   redis.call('HSET', meta, 'status', ARGV[7], 'control', '')
 end
 if final then redis.call('HSET', meta, 'engine', '') end
 if written > 0 or stop_pending then redis.call('SPUBLISH', KEYS[3], ARGV[4]) end
-redis.call('EXPIRE', meta, ARGV[3])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
+local ttl = ttl_of(meta, ARGV[3])
+redis.call('EXPIRE', meta, ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
 return {'ok', redis.call('HGET', meta, 'control'), redis.call('HGET', meta, 'seen_at')}
 """
 )
 
 # Client: close a session. Followers on other connections must learn that the
-# turn ended: an unfinished turn gets a cancelled done, and its stream lingers
-# briefly (the frontends' fan-ins deliver it) while every other key goes now.
+# turn ended: an unfinished turn gets the caller's cancelled done, and its
+# stream lingers briefly (the frontends' fan-ins deliver it) while every other
+# key goes now.
 # KEYS: meta, the latest turn's stream, then every other key of the session
-# ARGV: token_hash, linger_s
+# ARGV: token_hash, linger_s, counters, cancelled_event
 CLOSE = (
     _PRELUDE
     + """
@@ -209,7 +251,8 @@ if redis.call('EXISTS', meta) == 0 or redis.call('HGET', meta, 'token') ~= ARGV[
 end
 local status = redis.call('HGET', meta, 'status')
 if status and status ~= 'done' then
-  cancel(meta, KEYS[2], tonumber(redis.call('HGET', meta, 'seq')) or 0, 'done')
+  if counters(meta) ~= ARGV[3] then return {'moved'} end
+  cancel(meta, KEYS[2], ARGV[4], 'done')
 end
 for i = 3, #KEYS do redis.call('DEL', KEYS[i]) end
 redis.call('DEL', meta)

@@ -1,19 +1,21 @@
 """The frontend's view of session state in Redis (asyncio).
 
 Owns the client-driven transitions: start a turn, stop, pause, resume, close,
-plus reading a turn's events for replay. The engine's side is ``worker.py``.
+plus reading a turn's events for replay. The engine's side is ``worker.py``
+(synchronous); what both share (the turn record, settings) is ``schema.py``,
+so neither process imports the other's client code.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
@@ -21,20 +23,24 @@ from wsinfer.sessions import keys, scripts
 from wsinfer.sessions.connect import ScriptCall, is_cluster, run_scripts_async
 from wsinfer.sessions.connection import queue_script, run_pipeline
 from wsinfer.sessions.schema import (
-    GenerationParams,
+    CLOSE_LINGER_S,
+    DEFAULT_SESSION_TTL_S,
+    ENGINE_FRESH_S,
+    PausedEvent,
+    SessionMeta,
     TurnEvent,
+    TurnInput,
     TurnRequest,
     as_str,
     decode_event,
     encode,
+    pack,
 )
 from wsinfer.sessions.states import Action, IllegalTransition, Status, allowed_from, target
 
-DEFAULT_SESSION_TTL_S = 3600
-# How long a closed session's last stream stays, so followers see its end.
-CLOSE_LINGER_S = 30
-# An engine whose last heartbeat is older than this is not routed to.
-ENGINE_FRESH_S = 5.0
+# Attempts at a write whose pre-encoded event an engine's publish outdated
+# meanwhile (``moved``): each retry reads the counters afresh.
+MOVED_RETRIES = 20
 
 
 class SessionNotFound(Exception):
@@ -46,31 +52,6 @@ class ModeMismatch(Exception):
 
 
 @dataclass(frozen=True)
-class TurnInput:
-    """What a client asked for in one ``generate``: the engine renders it."""
-
-    mode: str  # "chat" (messages) or "text" (prompt)
-    messages: list[dict[str, str]] | None
-    prompt: str | None
-    params: GenerationParams
-
-    def pack(self) -> bytes:
-        data = {
-            "mode": self.mode,
-            "messages": self.messages,
-            "prompt": self.prompt,
-            "params": self.params.to_dict(),
-        }
-        return bytes(msgpack.packb(data, use_bin_type=True))
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> TurnInput:
-        data = msgpack.unpackb(raw, raw=False)
-        data["params"] = GenerationParams.from_dict(data["params"])
-        return cls(**data)
-
-
-@dataclass(frozen=True)
 class SessionInfo:
     session: str
     turn: int
@@ -78,6 +59,19 @@ class SessionInfo:
     seq: int
     engine: str
     kv_engine: str = ""
+    meta: SessionMeta = field(default_factory=SessionMeta)
+
+
+@dataclass(frozen=True)
+class Started:
+    """A generate's outcome: the turn it started, or (``repeat``) the turn an
+    earlier generate with the same idempotency key started."""
+
+    session: str
+    token: str
+    turn: int
+    status: str
+    repeat: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,6 +83,21 @@ class ControlResult:
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def hash_idempotency_key(key: str) -> str:
+    """What Redis keeps of a key: it names the turn without revealing the key."""
+    return hashlib.sha256(b"wsinfer-idem:" + key.encode()).hexdigest()
+
+
+def token_for_key(key: str) -> str:
+    """The token of a session made by a generate with an idempotency key.
+
+    Derived, not stored: a repeat must answer the same token, and Redis only
+    ever holds a token's hash. The key is as secret as the token it yields.
+    """
+    digest = hashlib.sha256(b"wsinfer-token:" + key.encode()).digest()
+    return base64.urlsafe_b64encode(digest).decode()[:32]
 
 
 class SessionStore:
@@ -111,6 +120,34 @@ class SessionStore:
         await self._start_turn(session, hash_token(token), True, 1, turn_input, keys.REQUESTS)
         return session, token
 
+    async def create_once(self, turn_input: TurnInput, key: str) -> Started:
+        """``create``, unless a generate with this idempotency key already made
+        the session: then that one's first turn. Two racing with one key make
+        one session: the key's record names the session id (SET NX), and both
+        run the same start script on it, which starts the turn once."""
+        candidate = uuid.uuid4().hex
+        previous = await self.redis.set(
+            keys.idempotency(hash_idempotency_key(key)), candidate, nx=True, get=True, ex=self.ttl_s
+        )
+        session, token = as_str(previous) if previous else candidate, token_for_key(key)
+        repeat = await self._start_turn(
+            session, hash_token(token), True, 1, turn_input, keys.REQUESTS, key
+        )
+        return _started(session, token, 1, repeat)
+
+    async def add_turn_once(
+        self, session: str, token: str, turn_input: TurnInput, key: str, alive: frozenset[str]
+    ) -> Started:
+        """``add_turn``, unless a generate with this idempotency key already
+        started a turn of this session: then that turn."""
+        info = await self.info(session, token)
+        queue = await self._queue_for(info.kv_engine, alive)
+        turn = info.turn + 1
+        repeat = await self._start_turn(
+            session, hash_token(token), False, turn, turn_input, queue, key
+        )
+        return _started(session, token, turn, repeat)
+
     async def add_turn(
         self, session: str, token: str, turn_input: TurnInput, alive: frozenset[str] | None = None
     ) -> int:
@@ -131,7 +168,10 @@ class SessionStore:
         turn: int,
         turn_input: TurnInput,
         queue: str,
-    ) -> None:
+        key: str | None = None,
+    ) -> tuple[int, str] | None:
+        """Start the turn; a repeat of an idempotency key returns that turn and
+        its status instead."""
         # The work item goes with the script in one round trip. When the script
         # refuses, the item is a harmless stray: an engine's claim of a turn
         # that is not queued fails, and it acks the item.
@@ -147,6 +187,7 @@ class SessionStore:
             self.ttl_s,
             status_from,
             target(Action.START).value,
+            hash_idempotency_key(key) if key else "",
         ]
         item = encode(TurnRequest(session, turn))
         if is_cluster(self.redis):  # the queue lives on another node: two calls
@@ -163,6 +204,8 @@ class SessionStore:
                 if isinstance(result, Exception):
                     raise result
         outcome = [as_str(v) for v in reply]
+        if outcome[0] == "repeat":
+            return int(outcome[1]), outcome[2]
         if outcome[0] == "not_found":
             raise SessionNotFound(session)
         if outcome[0] in ("illegal", "stale"):
@@ -171,6 +214,7 @@ class SessionStore:
             raise ModeMismatch(
                 f"this session takes {'messages' if outcome[1] == 'chat' else 'prompt'}"
             )
+        return None
 
     async def _queue_for(self, holder: str, alive: frozenset[str] | None) -> str:
         """The engine holding the session's KV cache if it is alive, else the shared queue."""
@@ -195,42 +239,42 @@ class SessionStore:
         )
 
     async def info(self, session: str, token: str) -> SessionInfo:
-        raw = await self.redis.hgetall(keys.meta(session))
-        meta = {as_str(k): as_str(v) for k, v in raw.items()}
-        if not meta or not secrets.compare_digest(meta.get("token", ""), hash_token(token)):
+        meta = SessionMeta.from_hash(await self.redis.hgetall(keys.meta(session)))
+        if not meta.token or not secrets.compare_digest(meta.token, hash_token(token)):
             raise SessionNotFound(session)
         return SessionInfo(
-            session,
-            int(meta["turn"]),
-            meta["status"],
-            int(meta["seq"]),
-            meta.get("engine", ""),
-            meta.get("kv_engine", ""),
+            session, meta.turn, meta.status, meta.seq, meta.engine, meta.kv_engine, meta
         )
 
     async def control(self, session: str, token: str, turn: int, action: str) -> ControlResult:
         """Apply a client's stop/pause/resume to ``turn`` atomically."""
         candidates = _CONTROL_CANDIDATES[action]
-        args: list[Any] = [hash_token(token), turn, self.ttl_s, int(time.time()), len(candidates)]
-        for act, effect in candidates:
-            args += [",".join(s.value for s in allowed_from(act)), target(act).value, effect]
-        reply = [
-            as_str(v)
-            for v in await self._control(
-                keys=[
-                    keys.meta(session),
-                    keys.turn_stream(session, turn),
-                    keys.session_wake(session),
-                ],
-                args=args,
-            )
+        script_keys = [
+            keys.meta(session),
+            keys.turn_stream(session, turn),
+            keys.session_wake(session),
         ]
+        for _ in range(MOVED_RETRIES):
+            meta = (await self.info(session, token)).meta
+            args: list[Any] = [hash_token(token), turn, self.ttl_s, int(time.time())]
+            args += [meta.counters(), pack(PausedEvent(meta.seq)), pack(meta.cancelled())]
+            args.append(len(candidates))
+            for act, effect in candidates:
+                args += [",".join(s.value for s in allowed_from(act)), target(act).value, effect]
+            reply = [as_str(v) for v in await self._control(keys=script_keys, args=args)]
+            if reply[0] != "moved":
+                return await self._controlled(session, turn, candidates[0][0], reply)
+        raise RuntimeError(f"session {session} kept moving under a {action}")
+
+    async def _controlled(
+        self, session: str, turn: int, action: Action, reply: list[str]
+    ) -> ControlResult:
         if reply[0] == "not_found":
             raise SessionNotFound(session)
         if reply[0] == "stale":
-            raise IllegalTransition(candidates[0][0], "no longer the latest turn")
+            raise IllegalTransition(action, "no longer the latest turn")
         if reply[0] == "illegal":
-            raise IllegalTransition(candidates[0][0], reply[1])
+            raise IllegalTransition(action, reply[1])
         result = ControlResult(effect=reply[1], status=reply[2], seq=int(reply[3]))
         if result.effect == "requeue":
             await self.enqueue(session, turn)
@@ -240,15 +284,19 @@ class SessionStore:
         """Delete the session; a running engine sees it gone and stops, and
         followers elsewhere get a cancelled ``done`` (the latest turn's stream
         lingers for ``CLOSE_LINGER_S`` so their fan-ins can deliver it)."""
-        info = await self.info(session, token)
-        stream = keys.turn_stream(session, info.turn)
-        mine = keys.session_keys(session, info.turn)
-        others = [k for k in mine if k not in (keys.meta(session), stream)]
-        reply = await self._close(
-            keys=[keys.meta(session), stream, *others], args=[hash_token(token), CLOSE_LINGER_S]
-        )
-        if as_str(reply[0]) == "not_found":
-            raise SessionNotFound(session)
+        for _ in range(MOVED_RETRIES):
+            info = await self.info(session, token)
+            stream = keys.turn_stream(session, info.turn)
+            mine = keys.session_keys(session, info.turn)
+            others = [k for k in mine if k not in (keys.meta(session), stream)]
+            args: list[Any] = [hash_token(token), CLOSE_LINGER_S, info.meta.counters()]
+            args.append(pack(info.meta.cancelled()))
+            reply = await self._close(keys=[keys.meta(session), stream, *others], args=args)
+            if as_str(reply[0]) == "not_found":
+                raise SessionNotFound(session)
+            if as_str(reply[0]) == "ok":
+                return
+        raise RuntimeError(f"session {session} kept moving under a close")
 
     async def touch(self, sessions: dict[str, int]) -> list[str]:
         """Mark followed sessions as watched and push back their expiry (one round trip
@@ -307,6 +355,12 @@ class SessionStore:
         return int(await self.redis.xlen(keys.REQUESTS))
 
 
+def _started(session: str, token: str, turn: int, repeat: tuple[int, str] | None) -> Started:
+    if repeat is None:
+        return Started(session, token, turn, target(Action.START).value)
+    return Started(session, token, repeat[0], repeat[1], repeat=True)
+
+
 def _others(session: str, turn: int) -> list[str]:
     """The session's keys other than its meta and this turn's input: a turn
     start pushes back their expiry too, so no earlier turn expires first."""
@@ -322,11 +376,14 @@ _CONTROL_CANDIDATES: dict[str, list[tuple[Action, str]]] = {
 }
 
 __all__ = [
+    "CLOSE_LINGER_S",
+    "DEFAULT_SESSION_TTL_S",
     "ControlResult",
     "ModeMismatch",
     "SessionInfo",
     "SessionNotFound",
     "SessionStore",
+    "Started",
     "Status",
     "TurnInput",
     "hash_token",

@@ -17,18 +17,21 @@ import redis
 from wsinfer.sessions import keys, scripts
 from wsinfer.sessions.connect import ScriptCall, run_scripts
 from wsinfer.sessions.schema import (
+    DEFAULT_SESSION_TTL_S,
     DeltaEvent,
     DoneEvent,
     PausedEvent,
+    SessionMeta,
     TurnEvent,
+    TurnInput,
     TurnRequest,
     as_str,
     decode_event,
     decode_request,
     encode,
+    pack,
 )
 from wsinfer.sessions.states import Action, allowed_from, target
-from wsinfer.sessions.store import DEFAULT_SESSION_TTL_S, TurnInput
 
 
 def _csv(statuses: list[Any]) -> str:
@@ -48,7 +51,7 @@ class ClaimedTurn:
     turn: int
     epoch: int
     control: str
-    meta: dict[str, str]
+    meta: SessionMeta
 
 
 @dataclass
@@ -73,6 +76,8 @@ class Publish:
     events: list[TurnEvent]
     fields: dict[str, Any] = field(default_factory=dict)
     prev_seq: int | None = None  # the seq this continues from; None: unchecked
+    # What a final paused event becomes if the client's stop got there first.
+    if_stopped: DoneEvent | None = None
 
     @property
     def final_action(self) -> Action | None:
@@ -252,10 +257,8 @@ class WorkerStore:
         flat = [as_str(v) for v in reply]
         if flat[0] != "ok":
             return None
-        meta = dict(zip(flat[1::2], flat[2::2], strict=True))
-        return ClaimedTurn(
-            request.session, request.turn, int(meta["epoch"]), meta.get("control", ""), meta
-        )
+        meta = SessionMeta.from_hash(dict(zip(flat[1::2], flat[2::2], strict=True)))
+        return ClaimedTurn(request.session, request.turn, meta.epoch, meta.control, meta)
 
     def load_history(self, session: str, turn: int) -> TurnHistory:
         current = self._turn_input(session, turn)
@@ -283,9 +286,11 @@ class WorkerStore:
         raw = self.redis.get(keys.turn_prompt(session, turn))
         return None if raw is None else list(msgpack.unpackb(raw))
 
-    def save_prompt(self, session: str, turn: int, prompt_ids: list[int]) -> None:
+    def save_prompt(self, claimed: ClaimedTurn, prompt_ids: list[int]) -> None:
+        """Record the turn's prompt ids, to live as long as the session's other keys."""
         packed = msgpack.packb(prompt_ids)
-        self.redis.set(keys.turn_prompt(session, turn), packed, ex=self.ttl_s)
+        key = keys.turn_prompt(claimed.session, claimed.turn)
+        self.redis.set(key, packed, ex=claimed.meta.ttl)
 
     def read_generated(self, session: str, turn: int) -> tuple[list[int], int]:
         """The turn's published tokens and its last seq: where a rebuild continues."""
@@ -325,6 +330,8 @@ class WorkerStore:
         # A pause can meet a stop the client sent meanwhile: the script then
         # applies the stop (the table's paused --stop--> done) in the same call.
         stop = final is Action.ENGINE_PAUSE
+        if stop and item.if_stopped is None:
+            raise ValueError("a pause must say what it becomes if a stop got there first")
         args: list[Any] = [
             self.engine_id,
             item.epoch,
@@ -335,9 +342,10 @@ class WorkerStore:
             target(final).value if final else "",
             _csv(allowed_from(Action.STOP)) if stop else "",
             target(Action.STOP).value if stop else "",
+            pack(item.if_stopped) if item.if_stopped and stop else "",
             len(item.events),
         ]
-        args += [encode(event)["m"] for event in item.events]
+        args += [pack(event) for event in item.events]
         for name, value in item.fields.items():
             args += [name, value]
         return args

@@ -129,6 +129,52 @@ class LocalCluster:
             time.sleep(0.1)
         raise TimeoutError(f"no replica took over from {dead}")
 
+    def admin(self, port: int) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=10)
+
+    def node_id(self, port: int) -> str:
+        return str(self.admin(port).execute_command("CLUSTER MYID").decode())
+
+    def primaries_now(self) -> list[int]:
+        """Ports of the live nodes that are primaries now (failovers move them)."""
+        return [p for p in self.processes if self._role(p) == "master"]
+
+    def _role(self, port: int) -> str:
+        with contextlib.suppress(redis.RedisError):
+            return str(self.admin(port).execute_command("ROLE")[0].decode())
+        return "down"
+
+    def migrate_slot(self, slot: int, source: int, target: int, key_pause_s: float = 0) -> None:
+        """Move ``slot`` from primary ``source`` to primary ``target`` the way
+        ``redis-cli --cluster reshard`` does, one key at a time with
+        ``key_pause_s`` between keys (a slow migration: clients meet ASK and
+        TRYAGAIN for that long)."""
+        src, dst = self.admin(source), self.admin(target)
+        src_id, dst_id = self.node_id(source), self.node_id(target)
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        while names := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 1):
+            src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *names)
+            time.sleep(key_pause_s)
+        # The target first, so that it owns the slot before the source lets go.
+        for port in [target, source, *self.primaries_now()]:
+            self.admin(port).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        self.wait_ok()
+
+    def manual_failover(self, primary: int, timeout_s: float = 30) -> int:
+        """``CLUSTER FAILOVER`` on a replica of ``primary`` (no write is lost:
+        the replica catches up first); the port of the new primary."""
+        _, _, replicas = self.admin(primary).execute_command("ROLE")  # [[host, port, offset]]
+        port = int(replicas[0][1])
+        self.admin(port).execute_command("CLUSTER FAILOVER")
+        deadline = time.monotonic() + timeout_s
+        while self._role(port) != "master" or self._role(primary) != "slave":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {port} did not take over from {primary}")
+            time.sleep(0.1)
+        self.wait_ok()
+        return port
+
     def stop(self) -> None:
         for process in self.processes.values():
             if process.poll() is None:

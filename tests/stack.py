@@ -1,4 +1,11 @@
-"""Real processes for end-to-end tests: engines and frontends on a test's Redis."""
+"""The one way tests start real stacks: Redis, engines, frontends, ``wsinfer serve``.
+
+``Stack`` runs engine and frontend processes on a Redis; ``start_frontend`` runs a
+frontend in the test's own event loop; ``start_serve`` runs the all-in-one
+``wsinfer serve``. The fixtures in ``tests/conftest.py`` build on these: one
+engine per module where a test does not need its own (starting one imports
+torch and loads a model: seconds), with ``forget_sessions`` between tests.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
+from wsinfer.server import Frontend, FrontendConfig
 from wsinfer.sessions import keys
 from wsinfer.sessions.connect import sync_client
 
@@ -63,6 +71,12 @@ class Stack:
         port = port_from_banner(process.stdout.readline(), "frontend")
         return process, port
 
+    def check_alive(self) -> None:
+        """Fail if a process of this stack died: a shared engine that crashed in one
+        test would otherwise show up as timeouts in every later test of the module."""
+        dead = [p.args for p in self.processes if p.poll() is not None]
+        assert not dead, f"stack processes exited: {dead}"
+
     def stop(self) -> None:
         # SIGINT, not SIGTERM: an engine's SIGTERM drains running turns first.
         for process in self.processes:
@@ -74,6 +88,64 @@ class Stack:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def forget_sessions(redis_url: str) -> None:
+    """Delete every session's keys, keeping the work queues and engine registry.
+
+    What lets tests share one engine yet start from no sessions: the ``{q}``
+    keys (the engines' consumer group, their registration) stay, so a running
+    engine keeps serving; a turn it still runs for a deleted session ends at
+    its next publish (the script answers ``not_found``). SCAN, not FLUSHALL:
+    the engine's heartbeat would re-register it only a moment later.
+    """
+    client = sync_client(redis_url)
+    try:
+        for key in list(client.scan_iter(match=f"{keys.PREFIX}:*", count=1000)):
+            if keys.QUEUE_TAG not in key.decode():
+                client.delete(key)  # one by one: on a cluster, keys of many slots
+    finally:
+        client.close()
+
+
+async def start_frontend(redis_url: str, **overrides: Any) -> Frontend:
+    """A frontend in the test's own event loop (its state is there to inspect).
+
+    It touches watched sessions every 0.3 s, so that an engine's short idle
+    limit never pauses a turn a client is attached to.
+    """
+    settings: dict[str, Any] = {"port": 0, "touch_interval_s": 0.3, **overrides}
+    frontend = Frontend(FrontendConfig(redis_url=redis_url, **settings))
+    await frontend.start()
+    return frontend
+
+
+def start_serve(state: Path, *args: str) -> tuple[subprocess.Popen[str], int]:
+    """``wsinfer serve`` keeping its state dir (private Redis) under ``state``: a serve
+    killed with -9 cannot remove it, and tests leave nothing behind in /tmp."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "wsinfer", "serve", "--port", "0", "--log-level", "warning", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(state)},
+    )
+    assert process.stdout is not None
+    try:
+        return process, port_from_banner(process.stdout.readline(), "serve")
+    except RuntimeError:
+        process.kill()
+        raise
+
+
+def stop_serve(process: subprocess.Popen[str], timeout_s: float = 30) -> int:
+    """Ctrl-C, as a user stops it; killed if it does not exit in time."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(timeout_s)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def port_from_banner(line: str | bytes, what: str) -> int:

@@ -242,3 +242,27 @@ def test_bench_fanout_measures_the_relay_against_bare_websockets(
     assert any(line.startswith("Paced: 3 streams") for line in out)
     assert any(line.startswith("Idle: 20 connections, each holding") for line in out)
     assert any(line.startswith("Idle: 10 connections, each following") for line in out)
+    assert any(line.startswith("Whole run: ") and "load average" in line for line in out)
+
+
+def test_bench_capacity_has_a_row_per_frontend_count(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One Redis and the 3-primary cluster (whose fan-in stalled before issue 12's fix)."""
+    sigterm = signal.getsignal(signal.SIGTERM)  # the script installs its own
+    try:
+        load_script("bench_capacity").main(
+            ["--frontends", "1,2", "--redis", "single,cluster", "--streams", "4", "--tokens", "10",
+             "--sessions", "6", "--memory-sessions", "5", "--client-procs", "1"]
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    out = capsys.readouterr().out.splitlines()
+    table = out[: out.index("Redis memory per session (5 sessions per cell, bench_redis_memory):")]
+    rows = data_rows(table)
+    kinds = [["one server", "1"], ["one server", "2"], ["3-primary cluster", "1"]]
+    assert [row[:2] for row in rows] == kinds + [["3-primary cluster", "2"]]
+    for row in rows:
+        assert float(row[2].replace(",", "")) > 0 and float(row[10].replace(",", "")) > 0
+    memory = data_rows([line for line in out if line.startswith("| Redis | queued")] + out[-2:])
+    assert [row[0] for row in memory] == ["one server", "3-primary cluster"]

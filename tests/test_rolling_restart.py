@@ -11,13 +11,12 @@ import asyncio
 import signal
 import socket
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
 
 from tests.balancer import Balancer
-from tests.models import tiny_model_dir
 from tests.stack import Stack
 from wsinfer.clients import Client, connect
 
@@ -33,13 +32,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-@pytest.fixture
-def stack(redis_url: str) -> Iterator[Stack]:
-    stack = Stack(redis_url, str(tiny_model_dir()))
-    yield stack
-    stack.stop()
 
 
 @pytest.fixture

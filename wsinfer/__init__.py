@@ -1,4 +1,10 @@
-"""wsinfer: WebSocket-first streaming LLM inference with resumable sessions."""
+"""wsinfer: WebSocket-first streaming LLM inference with resumable sessions.
+
+This folder holds the frontend and the CLI; pyproject's ``package-dir`` also
+installs the top-level ``engine/``, ``sessions/`` and ``clients/`` folders
+under this package (``wsinfer.engine``, ``wsinfer.sessions``,
+``wsinfer.clients``), so generic names never land in a user's environment.
+"""
 
 from __future__ import annotations
 

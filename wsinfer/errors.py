@@ -1,19 +1,19 @@
-"""Errors and their protocol codes: the one place where exceptions become codes.
+"""Protocol errors: each class carries its one ``ErrorCode``.
 
 Two families, as in h11: ``ClientError`` (the request was wrong; the client
 should change it) and ``ServerError`` (we could not serve a valid request).
+Pure: no Redis, no I/O, so the sans-I/O protocol can raise and test them. The
+I/O layer (``handlers.to_protocol_error``) turns the store's own exceptions
+and outages into these.
 """
 
 from __future__ import annotations
 
-from wsinfer.sessions.connection import is_outage
-from wsinfer.sessions.schema import ParamsError
-from wsinfer.sessions.states import IllegalTransition
-from wsinfer.sessions.store import ModeMismatch, SessionNotFound
+from wsinfer.contract import ErrorCode
 
 
 class WsinferError(Exception):
-    code = "internal"
+    code = ErrorCode.INTERNAL
 
     def __init__(self, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)
@@ -26,27 +26,27 @@ class ClientError(WsinferError):
 
 
 class BadRequest(ClientError):
-    code = "bad_request"
+    code = ErrorCode.BAD_REQUEST
 
 
 class Unauthorized(ClientError):
-    code = "unauthorized"
+    code = ErrorCode.UNAUTHORIZED
 
 
 class NotFound(ClientError):
-    code = "not_found"
+    code = ErrorCode.NOT_FOUND
 
 
 class Conflict(ClientError):
-    code = "conflict"
+    code = ErrorCode.CONFLICT
 
 
 class TooLarge(ClientError):
-    code = "too_large"
+    code = ErrorCode.TOO_LARGE
 
 
 class Overloaded(ClientError):
-    code = "overloaded"
+    code = ErrorCode.OVERLOADED
 
 
 class ServerError(WsinferError):
@@ -54,26 +54,11 @@ class ServerError(WsinferError):
 
 
 class EngineUnavailable(ServerError):
-    code = "engine_unavailable"
+    code = ErrorCode.ENGINE_UNAVAILABLE
 
 
 class InternalError(ServerError):
-    code = "internal"
-
-
-def to_protocol_error(exc: BaseException) -> WsinferError:
-    """Map any exception raised while serving a request to a protocol error."""
-    if isinstance(exc, WsinferError):
-        return exc
-    if isinstance(exc, SessionNotFound):
-        return NotFound("no such session (or wrong token)")
-    if isinstance(exc, IllegalTransition):
-        return Conflict(str(exc))
-    if isinstance(exc, (ModeMismatch, ParamsError)):
-        return BadRequest(str(exc))
-    if is_outage(exc):
-        return StoreUnavailable("the session store is unreachable; try again", retry_after=1.0)
-    return InternalError("internal error")
+    code = ErrorCode.INTERNAL
 
 
 class StoreUnavailable(EngineUnavailable):

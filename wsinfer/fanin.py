@@ -6,13 +6,22 @@ block to time out): one Redis connection per frontend, not one per session.
 Each subscriber has its own position; the XREAD asks each stream from the
 furthest-behind subscriber, and each entry goes only to subscribers that have
 not seen it.
+
+Streams are split hot and cold. One XREAD names every stream it reads, and the
+hot one is re-sent after each batch of entries, many times a second under
+load: a stream quiet for ``COLD_AFTER_S`` (a paused turn, a turn waiting for an
+engine, a client that stopped reading) moves to a second blocking XREAD, on a
+connection of its own, that is re-sent only when its set changes or one of
+its streams grows, which moves that stream back to the hot read. So thousands
+of followed but idle sessions cost the hot path nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Hashable
+import time
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +37,10 @@ log = structlog.get_logger("wsinfer.fanin")
 Deliver = Callable[[list[TurnEvent]], None]
 # The wake-up stream outlives its frontend by this much at most.
 WAKE_TTL_S = 60
+# A followed stream this long without entries is read by the cold XREAD.
+COLD_AFTER_S = 2.0
+# How often the hot reader looks for streams gone quiet.
+DEMOTE_EVERY_S = 0.5
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:
@@ -47,22 +60,63 @@ class _Subscriber:
 @dataclass
 class _Stream:
     subscribers: dict[Hashable, _Subscriber] = field(default_factory=dict)
+    last_data: float = 0.0  # monotonic time of its last entries or subscription
 
     def position(self) -> str | None:
+        if len(self.subscribers) == 1:  # the usual case, every stream every round
+            (only,) = self.subscribers.values()
+            return None if only.paused else only.position
         active = [s.position for s in self.subscribers.values() if not s.paused]
         return min(active, key=_id_key) if active else None
+
+
+class _Waker:
+    """XADDs to a wake-up stream that a blocking XREAD of this frontend reads.
+
+    One wake-up in flight at a time: a burst of 1,000 subscriptions costs two
+    XADDs, not 1,000 (a later one is folded into a second round).
+    """
+
+    def __init__(self, redis: aioredis.Redis, key: str) -> None:
+        self.redis = redis
+        self.key = key
+        # Its stream is new with this frontend: from the start, no wake-up is missed.
+        self.position = "0-0"
+        self._task: asyncio.Task[None] | None = None
+        self._again = False
+
+    def request(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._wake())
+        else:
+            self._again = True
+
+    async def _wake(self) -> None:
+        while True:
+            self._again = False
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self.key, {"w": 1}, maxlen=16, approximate=True)
+            pipe.expire(self.key, WAKE_TTL_S)
+            try:
+                await pipe.execute()
+            except aioredis.RedisError as exc:
+                log.warning("fan-in wake-up failed", error=str(exc))
+                return  # the XREAD fails too, and re-reads everything once Redis is back
+            if not self._again:
+                return
 
 
 class FanIn:
     def __init__(self, redis: aioredis.Redis, frontend_id: str, *, block_ms: int = 5000) -> None:
         self.redis = redis
-        self.wake_key = keys.frontend_wake(frontend_id)
         self.block_ms = block_ms
         self.streams: dict[str, _Stream] = {}
         self.owners: dict[Hashable, str] = {}
-        self._wake_position = "$"
-        self._wake_task: asyncio.Task[None] | None = None
-        self._wake_again = False
+        self.hot: set[str] = set()  # read by the hot XREAD; the rest by the cold one
+        self.cold: set[str] = set()
+        self._hot_waker = _Waker(redis, keys.frontend_wake(frontend_id))
+        self._cold_waker = _Waker(redis, keys.frontend_wake_cold(frontend_id))
+        self._demoted_at = 0.0
 
     def subscribe(self, stream: str, owner: Hashable, position: str, deliver: Deliver) -> None:
         """Deliver entries of ``stream`` after ``position`` until its turn is done.
@@ -74,6 +128,7 @@ class FanIn:
             deliver, position
         )
         self.owners[owner] = stream
+        self._promote(stream)
         self._request_wake()
 
     def unsubscribe(self, owner: Hashable) -> None:
@@ -83,6 +138,8 @@ class FanIn:
             entry.subscribers.pop(owner, None)
             if not entry.subscribers:
                 del self.streams[str(stream)]
+                self.hot.discard(str(stream))
+                self.cold.discard(str(stream))  # its cold XREAD is re-sent when next due
 
     def pause(self, owner: Hashable) -> None:
         sub = self._subscriber(owner)
@@ -94,6 +151,7 @@ class FanIn:
         sub = self._subscriber(owner)
         if sub is not None and sub.paused:
             sub.paused = False
+            self._promote(self.owners[owner])
             self._request_wake()
 
     def _subscriber(self, owner: Hashable) -> _Subscriber | None:
@@ -105,38 +163,44 @@ class FanIn:
             self.unsubscribe(owner)
 
     def _request_wake(self) -> None:
-        """One wake-up in flight at a time: a burst of 1,000 subscriptions costs
-        two XADDs, not 1,000 (a later one is folded into a second round)."""
-        if self._wake_task is None or self._wake_task.done():
-            self._wake_task = asyncio.get_running_loop().create_task(self._wake())
-        else:
-            self._wake_again = True
+        """Make the hot XREAD return, to be re-sent with the current streams."""
+        self._hot_waker.request()
 
-    async def _wake(self) -> None:
-        while True:
-            self._wake_again = False
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(self.wake_key, {"w": 1}, maxlen=16, approximate=True)
-            pipe.expire(self.wake_key, WAKE_TTL_S)
-            try:
-                await pipe.execute()
-            except aioredis.RedisError as exc:
-                log.warning("fan-in wake-up failed", error=str(exc))
-                return  # the XREAD fails too, and re-reads everything once Redis is back
-            if not self._wake_again:
-                return
+    def _promote(self, stream: str) -> None:
+        entry = self.streams.get(stream)
+        if entry is None:
+            return
+        entry.last_data = time.monotonic()
+        self.cold.discard(stream)
+        self.hot.add(stream)
+
+    def _demote(self, now: float) -> None:
+        """Move streams quiet for ``COLD_AFTER_S`` to the cold XREAD."""
+        self._demoted_at = now
+        cutoff = now - COLD_AFTER_S
+        quiet = [s for s in self.hot if self.streams[s].last_data < cutoff]
+        if quiet:
+            self.hot.difference_update(quiet)
+            self.cold.update(quiet)
+            self._cold_waker.request()
 
     async def close(self) -> None:
         """Remove this frontend's wake-up stream (it also expires on its own)."""
         with contextlib.suppress(aioredis.RedisError):
-            await self.redis.delete(self.wake_key)
+            await self.redis.delete(self._hot_waker.key, self._cold_waker.key)
 
     async def run(self) -> None:
         """Read and dispatch until cancelled; rides out Redis outages with backoff."""
+        await asyncio.gather(*(self._loop(read) for read in self._readers()))
+
+    def _readers(self) -> list[Callable[[], Awaitable[None]]]:
+        return [self._read_once, self._read_cold]
+
+    async def _loop(self, read: Callable[[], Awaitable[None]]) -> None:
         backoff = Backoff()
         while True:
             try:
-                await self._read_once()
+                await read()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -151,24 +215,44 @@ class FanIn:
                 log.warning("fan-in reading again", down_s=round(lasted, 1))
 
     async def _read_once(self) -> None:
+        """One blocking XREAD of the hot streams (and the hot wake-up stream)."""
+        await self._xread(self.hot, self._hot_waker)
+        now = time.monotonic()
+        if now - self._demoted_at >= DEMOTE_EVERY_S:
+            self._demote(now)
+
+    async def _read_cold(self) -> None:
+        """One blocking XREAD of the quiet streams; one that grows turns hot."""
+        grew = await self._xread(self.cold, self._cold_waker)
+        for stream in grew:
+            self._promote(stream)
+        if grew:  # the hot XREAD in flight does not name them yet
+            self._request_wake()
+
+    async def _xread(self, streams: set[str], waker: _Waker) -> list[str]:
+        """XREAD ``streams`` from their positions; dispatch; the streams that grew."""
         wanted: dict[Any, Any] = {}
-        for stream, entry in self.streams.items():
-            position = entry.position()
+        for stream in streams:
+            position = self.streams[stream].position()
             if position is not None:
                 wanted[stream] = position
-        wanted[self.wake_key] = self._wake_position
+        wanted[waker.key] = waker.position
         reply: Any = await self.redis.xread(wanted, block=self.block_ms)
+        grew = []
         for raw_stream, entries in reply or []:
             stream = as_str(raw_stream)
-            if stream == self.wake_key:
-                self._wake_position = as_str(entries[-1][0])
+            if stream == waker.key:
+                waker.position = as_str(entries[-1][0])
             elif entries:
+                grew.append(stream)
                 self._dispatch(stream, [(as_str(i), f) for i, f in entries])
+        return grew
 
     def _dispatch(self, stream: str, entries: list[tuple[str, Any]]) -> None:
         entry = self.streams.get(stream)
         if entry is None:
             return
+        entry.last_data = time.monotonic()
         # Hot path (every delta of every followed turn): each id is parsed once.
         decoded = [(_id_key(entry_id), decode_event(fields)) for entry_id, fields in entries]
         last_id, last_key = entries[-1][0], decoded[-1][0]

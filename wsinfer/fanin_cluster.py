@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -44,10 +44,12 @@ class _NodeListener:
         self.name = name
         self.client = async_node_client(fanin.redis, host, port)
         self.wanted: set[str] = set()
+        # Checked by the loops as well as cancelling the task: see close().
+        self.closing = False
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        while True:
+        while not self.closing:
             try:
                 await self._listen()
             except asyncio.CancelledError:
@@ -61,7 +63,7 @@ class _NodeListener:
         pubsub = self.client.pubsub()
         subscribed: set[str] = set()
         try:
-            while True:
+            while not self.closing:
                 await self._sync(pubsub, subscribed)
                 message = await pubsub.get_message(timeout=LISTEN_POLL_S)
                 if message is not None:
@@ -91,8 +93,20 @@ class _NodeListener:
             self.fanin.wake_all()
 
     async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        """Stop listening; returns within about ``LISTEN_POLL_S`` whatever the task was doing.
+
+        Cancelling the task is not enough: redis-py sends each command under
+        ``asyncio.wait_for`` (its default 5 s socket timeout), and Python 3.11's
+        wait_for returns the send's result instead of raising a cancel that
+        arrives just as the send completes. Such a listener read on for ever and
+        this close waited for it for ever, so the fan-in stopped delivering to
+        every session of its frontend. Hence ``closing``, which ends the loops at
+        their next round, and a cancel repeated until the task has ended.
+        """
+        self.closing = True
+        while not self.task.done():
+            self.task.cancel()
+            await asyncio.wait({self.task}, timeout=LISTEN_POLL_S)
         with contextlib.suppress(Exception):
             await self.client.aclose()
 
@@ -115,6 +129,10 @@ class ClusterFanIn(FanIn):
         if stream is not None:
             self._dirty.add(keys.session_of(stream))
         super().resume(owner)
+
+    def _readers(self) -> list[Callable[[], Awaitable[None]]]:
+        """Only reads of the dirty streams: a quiet stream costs nothing here anyway."""
+        return [self._read_once]
 
     def _request_wake(self) -> None:
         """No wake-up stream on a cluster: the streams to read are marked dirty."""
@@ -176,9 +194,22 @@ class ClusterFanIn(FanIn):
             if name not in by_node:
                 await self.listeners.pop(name).close()
         for name, channels in by_node.items():
-            if name not in self.listeners:
-                self.listeners[name] = _NodeListener(self, name, *where[name])
-            self.listeners[name].wanted = channels
+            listener = self.listeners.get(name)
+            if listener is not None and listener.task.done():
+                await self._bury(listener)
+                listener = None
+            if listener is None:
+                listener = self.listeners[name] = _NodeListener(self, name, *where[name])
+            listener.wanted = channels
+
+    async def _bury(self, listener: _NodeListener) -> None:
+        """A listener ended without being closed: say so, and read everything now
+        (its wake-ups were lost meanwhile); the caller starts a new one."""
+        task = listener.task
+        error = "cancelled" if task.cancelled() else repr(task.exception() or "returned")
+        log.error("fan-in listener died; restarting it", node=listener.name, error=error)
+        self.wake_all()
+        await listener.close()
 
     async def run(self) -> None:
         try:

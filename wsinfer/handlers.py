@@ -1,24 +1,97 @@
-"""What each client request does: Redis operations plus protocol bookkeeping.
+"""The I/O half of a request: executes the protocol's commands against Redis.
 
-One method per message type. Errors are raised, never answered here: the
-connection maps them to protocol errors in one place (``errors.py``).
+``protocol.py`` decides what a request does; this module only runs the
+commands its ``Plan`` yields (store calls, fan-in subscriptions) and hands back
+their results as events. The store's own exceptions and Redis outages become
+protocol errors here, in ``to_protocol_error``, and nowhere else.
+
+Both doors use it: a WebSocket ``Connection`` (server.py) and an HTTP
+request's ``HttpPeer`` (http/peer.py) each provide a ``Peer``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from wsinfer.errors import NotFound, Overloaded
-from wsinfer.messages import ClientMessage, Generate, Resume, SessionCommand
+from wsinfer.commands import (
+    Admit,
+    Admitted,
+    CloseSession,
+    Command,
+    Control,
+    Controlled,
+    Event,
+    Lookup,
+    ReadTurn,
+    Refused,
+    StartTurn,
+    Subscribe,
+    TurnFound,
+    TurnRead,
+    TurnStarted,
+    Unsubscribe,
+    Watch,
+    Watched,
+)
+from wsinfer.contract import TurnStatus
+from wsinfer.errors import (
+    BadRequest,
+    Conflict,
+    InternalError,
+    NotFound,
+    StoreUnavailable,
+    WsinferError,
+)
+from wsinfer.fanin import FanIn
+from wsinfer.limits import CapacityGate
+from wsinfer.messages import ClientMessage, Generate, Resume
+from wsinfer.metrics import Metrics
+from wsinfer.protocol import NO_SUCH_SESSION, ConnectionProtocol, Plan
 from wsinfer.sessions import keys
-from wsinfer.sessions.schema import DeltaEvent
-from wsinfer.sessions.states import IllegalTransition, Status
-from wsinfer.sessions.store import TurnInput
+from wsinfer.sessions.connection import is_outage
+from wsinfer.sessions.schema import DeltaEvent, ParamsError
+from wsinfer.sessions.states import IllegalTransition
+from wsinfer.sessions.store import ModeMismatch, SessionNotFound, SessionStore, Started, TurnInput
 
-if TYPE_CHECKING:
-    from wsinfer.peer import Peer
 
-MAX_FOLLOWED_PER_CONNECTION = 64
+class Services(Protocol):
+    """What a request needs of its frontend: the store, admission, fan-in, metrics."""
+
+    store: SessionStore
+    capacity: CapacityGate
+    fanin: FanIn
+    metrics: Metrics
+
+
+class Peer(Protocol):
+    """A client connection, whatever its transport."""
+
+    protocol: ConnectionProtocol
+    id: str
+    log: Any
+    congested: bool  # its client is not reading: new subscriptions start paused
+
+    @property
+    def frontend(self) -> Services: ...
+
+    def started_turn(self, session: str, turn: int) -> None: ...
+
+    def on_events(self, session: str, turn: int) -> Any: ...
+
+
+def to_protocol_error(exc: BaseException) -> WsinferError:
+    """Map any exception raised while serving a request to a protocol error."""
+    if isinstance(exc, WsinferError):
+        return exc
+    if isinstance(exc, SessionNotFound):
+        return NotFound(NO_SUCH_SESSION)
+    if isinstance(exc, IllegalTransition):
+        return Conflict(str(exc))
+    if isinstance(exc, (ModeMismatch, ParamsError)):
+        return BadRequest(str(exc))
+    if is_outage(exc):
+        return StoreUnavailable("the session store is unreachable; try again", retry_after=1.0)
+    return InternalError("internal error")
 
 
 class Handlers:
@@ -26,102 +99,103 @@ class Handlers:
         self.conn = conn
         self.frontend = conn.frontend
         self.store = conn.frontend.store
-        self.protocol = conn.protocol
 
     async def handle(self, message: ClientMessage) -> None:
-        if isinstance(message, Generate):
-            await self.generate(message)
-        elif isinstance(message, Resume):
-            await self.resume(message)
-        elif message.type == "close":
-            await self.close(message)
-        else:
-            await self.control(message)
+        """Carry out one request; raises the ``WsinferError`` it was refused with
+        (its ``__cause__`` is the original exception, for the logs)."""
+        if isinstance(message, Resume):
+            self.frontend.metrics.resumes.inc()
+        await self.run(self.conn.protocol.plan(message))
 
-    async def generate(self, msg: Generate) -> None:
-        self._check_follow_limit(msg.session)
-        alive = await self.frontend.capacity.admit()
+    async def run(self, plan: Plan) -> None:
+        command = plan.start()
+        while command is not None:
+            try:
+                event = await self.execute(command)
+            except Exception as exc:  # the plan may clean up, then re-raises
+                error = to_protocol_error(exc)
+                if error is not exc:
+                    error.__cause__ = exc
+                command = plan.throw(error)
+            else:
+                command = plan.send(event)
+
+    async def execute(self, command: Command) -> Event | None:
+        if isinstance(command, Subscribe):
+            self._subscribe(command)
+            return None
+        if isinstance(command, Unsubscribe):
+            self.frontend.fanin.unsubscribe((self.conn.id, command.session))
+            return None
+        if isinstance(command, Admit):
+            return Admitted(await self.frontend.capacity.admit())
+        if isinstance(command, StartTurn):
+            return await self._start(command)
+        if isinstance(command, Lookup):
+            info = await self.store.info(command.session, command.token)
+            return TurnFound(info.turn, TurnStatus(info.status), info.seq)
+        if isinstance(command, Control):
+            return await self._control(command)
+        return await self._execute_reads(command)
+
+    async def _execute_reads(self, command: Command) -> Event | None:
+        if isinstance(command, Watch):
+            gone = await self.store.touch({command.session: command.turn})
+            return Watched(found=not gone)
+        if isinstance(command, ReadTurn):
+            events, last_id = await self.store.read_turn(command.session, command.turn)
+            replayed = sum(isinstance(e, DeltaEvent) and e.seq > command.after for e in events)
+            self.frontend.metrics.replayed.inc(replayed)
+            return TurnRead(events, last_id)
+        if isinstance(command, CloseSession):
+            await self.store.close(command.session, command.token)
+            return None
+        raise TypeError(f"unknown command {command!r}")
+
+    async def _start(self, command: StartTurn) -> TurnStarted | Refused:
+        try:
+            started = await self._start_turn(command.request, command.alive)
+        except IllegalTransition as exc:
+            return Refused(exc.current)
+        if not started.repeat:
+            self.frontend.metrics.turns.inc()
+            self.conn.log.info("turn accepted", session=started.session, turn=started.turn)
+            self.conn.started_turn(started.session, started.turn)
+        status = TurnStatus(started.status)
+        return TurnStarted(started.session, started.token, started.turn, status, started.repeat)
+
+    async def _start_turn(self, msg: Generate, alive: frozenset[str]) -> Started:
         turn_input = TurnInput(
             mode="chat" if msg.messages is not None else "text",
             messages=msg.messages,
             prompt=msg.prompt,
             params=msg.params,
         )
+        key = msg.idempotency_key
         if msg.session is None or msg.token is None:
+            if key is not None:
+                return await self.store.create_once(turn_input, key)
             session, token = await self.store.create(turn_input)
-            turn = 1
-        else:
-            session, token = msg.session, msg.token
-            turn = await self.store.add_turn(session, token, turn_input, alive)
-        self.frontend.metrics.turns.inc()
-        self.conn.log.info("turn accepted", session=session, turn=turn)
-        self.conn.started_turn(session, turn)
-        self.protocol.accepted(msg.id, session, token, turn)
-        self._subscribe(session, turn, "0-0")
+            return Started(session, token, 1, TurnStatus.QUEUED.value)
+        if key is not None:
+            return await self.store.add_turn_once(msg.session, msg.token, turn_input, key, alive)
+        turn = await self.store.add_turn(msg.session, msg.token, turn_input, alive)
+        return Started(msg.session, msg.token, turn, TurnStatus.QUEUED.value)
 
-    def _check_follow_limit(self, session: str | None) -> None:
-        """Every way of following a new session (generate, resume, stop, pause) counts."""
-        feeds = self.protocol.feeds
-        if session not in feeds and len(feeds) >= MAX_FOLLOWED_PER_CONNECTION:
-            raise Overloaded(f"a connection follows at most {MAX_FOLLOWED_PER_CONNECTION} sessions")
-
-    async def resume(self, msg: Resume) -> None:
-        self._check_follow_limit(msg.session)
-        self.frontend.metrics.resumes.inc()
-        info = await self.store.info(msg.session, msg.token)
-        turn = msg.turn if msg.turn is not None else info.turn
-        if turn > info.turn:
-            raise NotFound(f"session has no turn {turn}")
-        if turn == info.turn and info.status == Status.PAUSED.value:
-            await self.store.control(msg.session, msg.token, turn, "resume")
-        await self._replay_and_follow(msg.session, turn, msg.after)
-
-    async def _replay_and_follow(self, session: str, turn: int, after: int) -> None:
-        # Replay the history, then follow live from the last entry read, so
-        # nothing falls between the two; anything sent twice is dropped by seq.
-        # Watched from now on, not from the next touch tick: a running turn
-        # must not be idle-paused under a client that has just come back.
-        if await self.store.touch({session: turn}):
-            raise NotFound("no such session (or wrong token)")
-        self.protocol.follow(session, turn, after)
+    async def _control(self, command: Control) -> Controlled | Refused:
         try:
-            events, last_id = await self.store.read_turn(session, turn)
-        except Exception:  # Redis went away: do not leave a feed nothing feeds
-            self.protocol.unfollow(session)
-            self.frontend.fanin.unsubscribe((self.conn.id, session))
-            raise
-        replayed = sum(isinstance(e, DeltaEvent) and e.seq > after for e in events)
-        self.frontend.metrics.replayed.inc(replayed)
-        self.protocol.replay(session, turn, events)
-        if session in self.protocol.feeds:  # not yet done
-            self._subscribe(session, turn, last_id)
-
-    async def control(self, msg: SessionCommand) -> None:
-        info = await self.store.info(msg.session, msg.token)
-        following = msg.session in self.protocol.feeds
-        if not following:
-            self._check_follow_limit(msg.session)
-            # The requester sees the outcome (paused/done) like any follower.
-            await self._replay_and_follow(msg.session, info.turn, info.seq)
-        try:
-            await self.store.control(msg.session, msg.token, info.turn, msg.type)
+            result = await self.store.control(
+                command.session, command.token, command.turn, command.action.value
+            )
         except IllegalTransition as exc:
-            if exc.current == Status.PAUSED.value and msg.type == "pause":
-                if following:  # otherwise the replay just said so
-                    self.protocol.notify_paused(msg.session, info.turn, info.seq)
-            elif exc.current != Status.DONE.value:  # stopping a finished turn is a no-op
-                raise
+            return Refused(exc.current)
+        return Controlled(TurnStatus(result.status), result.seq)
 
-    async def close(self, msg: SessionCommand) -> None:
-        await self.store.close(msg.session, msg.token)
-        self.protocol.unfollow(msg.session)
-        self.frontend.fanin.unsubscribe((self.conn.id, msg.session))
-
-    def _subscribe(self, session: str, turn: int, position: str) -> None:
-        owner = (self.conn.id, session)
+    def _subscribe(self, command: Subscribe) -> None:
+        owner = (self.conn.id, command.session)
         fanin = self.frontend.fanin
-        fanin.subscribe(
-            keys.turn_stream(session, turn), owner, position, self.conn.on_events(session, turn)
-        )
+        key = keys.turn_stream(command.session, command.turn)
+        deliver = self.conn.on_events(command.session, command.turn)
+        fanin.subscribe(key, owner, command.position, deliver)
         if self.conn.congested:  # its client is not reading: wait in Redis
             fanin.pause(owner)

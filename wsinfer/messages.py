@@ -13,6 +13,12 @@ from typing import Any, Protocol
 
 import msgpack
 
+from wsinfer.contract import (
+    ClientMessageType,
+    ErrorCode,
+    ServerMessageType,
+    TurnStatus,
+)
 from wsinfer.errors import BadRequest, TooLarge
 from wsinfer.sessions.schema import DoneEvent, GenerationParams, ParamsError, Usage
 
@@ -30,6 +36,10 @@ MAX_DEPTH = 8
 MIN_INT, MAX_INT = -(2**63), 2**64 - 1
 # Parts of a bad message quoted back in an error are cut to this length.
 MAX_ECHO_CHARS = 64
+# A generate's idempotency key: client-chosen and random, a secret like a token
+# (a repeat with it is answered the session's token), so it must be long enough
+# not to be guessed; bounded like every other string the server keeps.
+MIN_KEY_CHARS, MAX_KEY_CHARS = 16, 128
 
 
 @dataclass(frozen=True)
@@ -49,13 +59,14 @@ class Generate:
     params: GenerationParams
     session: str | None = None
     token: str | None = None
+    idempotency_key: str | None = None
 
 
 @dataclass(frozen=True)
 class SessionCommand:
     """stop, pause, close: they name a session and prove ownership."""
 
-    type: str
+    type: ClientMessageType
     id: str | int | None
     session: str
     token: str
@@ -171,7 +182,9 @@ def _parse_messages(raw: Any, limits: Limits) -> list[dict[str, str]]:
 
 
 def _parse_generate(data: dict[str, Any], limits: Limits) -> Generate:
-    _check_fields(data, {"type", "id", "messages", "prompt", "session", "token", "params"})
+    _check_fields(
+        data, {"type", "id", "messages", "prompt", "session", "token", "params", "idempotency_key"}
+    )
     if ("messages" in data) == ("prompt" in data):
         raise BadRequest("generate takes exactly one of messages or prompt")
     messages = _parse_messages(data["messages"], limits) if "messages" in data else None
@@ -187,13 +200,23 @@ def _parse_generate(data: dict[str, Any], limits: Limits) -> Generate:
         raise BadRequest(str(exc)) from exc
     session = _string(data, "session", MAX_ID_CHARS) if "session" in data else None
     token = _string(data, "token", MAX_ID_CHARS) if "token" in data else None
-    return Generate(message_id(data), messages, prompt, params, session, token)
+    key = _idempotency_key(data)
+    return Generate(message_id(data), messages, prompt, params, session, token, key)
+
+
+def _idempotency_key(data: dict[str, Any]) -> str | None:
+    if "idempotency_key" not in data:
+        return None
+    key = _string(data, "idempotency_key", MAX_KEY_CHARS)
+    if len(key) < MIN_KEY_CHARS:
+        raise BadRequest(f"idempotency_key must be {MIN_KEY_CHARS} to {MAX_KEY_CHARS} characters")
+    return key
 
 
 def _parse_command(data: dict[str, Any], _: Limits) -> SessionCommand:
     _check_fields(data, {"type", "id", "session", "token"})
     return SessionCommand(
-        data["type"],
+        ClientMessageType(data["type"]),
         message_id(data),
         _string(data, "session", MAX_ID_CHARS),
         _string(data, "token", MAX_ID_CHARS),
@@ -212,11 +235,11 @@ def _parse_resume(data: dict[str, Any], _: Limits) -> Resume:
 
 
 _PARSERS: dict[str, Any] = {
-    "generate": _parse_generate,
-    "stop": _parse_command,
-    "pause": _parse_command,
-    "close": _parse_command,
-    "resume": _parse_resume,
+    ClientMessageType.GENERATE.value: _parse_generate,
+    ClientMessageType.STOP.value: _parse_command,
+    ClientMessageType.PAUSE.value: _parse_command,
+    ClientMessageType.CLOSE.value: _parse_command,
+    ClientMessageType.RESUME.value: _parse_resume,
 }
 
 
@@ -230,23 +253,36 @@ def with_id(message: dict[str, Any], msg_id: str | int | None) -> dict[str, Any]
 
 
 def session_message(
-    session: str, token: str, turn: int, msg_id: str | int | None
+    session: str, token: str, turn: int, status: TurnStatus, msg_id: str | int | None
 ) -> dict[str, Any]:
-    return with_id({"type": "session", "session": session, "token": token, "turn": turn}, msg_id)
+    message = {
+        "type": ServerMessageType.SESSION.value,
+        "session": session,
+        "token": token,
+        "turn": turn,
+        "status": status.value,
+    }
+    return with_id(message, msg_id)
 
 
 def delta_message(session: str, turn: int, seq: int, text: str) -> dict[str, Any]:
-    return {"type": "delta", "session": session, "turn": turn, "seq": seq, "text": text}
+    return {
+        "type": ServerMessageType.DELTA.value,
+        "session": session,
+        "turn": turn,
+        "seq": seq,
+        "text": text,
+    }
 
 
 def paused_message(session: str, turn: int, seq: int) -> dict[str, Any]:
-    return {"type": "paused", "session": session, "turn": turn, "seq": seq}
+    return {"type": ServerMessageType.PAUSED.value, "session": session, "turn": turn, "seq": seq}
 
 
 def done_message(session: str, turn: int, event: DoneEvent) -> dict[str, Any]:
     usage: Usage = event.usage
     message: dict[str, Any] = {
-        "type": "done",
+        "type": ServerMessageType.DONE.value,
         "session": session,
         "turn": turn,
         "seq": event.seq,
@@ -258,19 +294,23 @@ def done_message(session: str, turn: int, event: DoneEvent) -> dict[str, Any]:
         },
     }
     if event.error:
-        message["error"] = dict(event.error)
+        message["error"] = event.error.to_dict()
     return message
 
 
 def error_message(
-    code: str,
+    code: ErrorCode,
     text: str,
     *,
     msg_id: str | int | None = None,
     session: str | None = None,
     retry_after: float | None = None,
 ) -> dict[str, Any]:
-    message: dict[str, Any] = {"type": "error", "code": code, "message": text}
+    message: dict[str, Any] = {
+        "type": ServerMessageType.ERROR.value,
+        "code": code.value,
+        "message": text,
+    }
     if session is not None:
         message["session"] = session
     if retry_after is not None:
@@ -290,12 +330,17 @@ class Codec(Protocol):
     def decode(self, frame: str | bytes) -> Any: ...
 
 
+# Built once: ``json.dumps`` with non-default options builds an encoder per call,
+# a measurable share of the relay's CPU at one call per delta.
+_JSON_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 @dataclass(frozen=True)
 class JsonCodec:
     subprotocol: str = field(default=JSON_SUBPROTOCOL)
 
     def encode(self, message: dict[str, Any]) -> str:
-        return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+        return _JSON_ENCODER.encode(message)
 
     def decode(self, frame: str | bytes) -> Any:
         if isinstance(frame, bytes):

@@ -110,12 +110,12 @@ class Metrics:
         return len({s for conn in self._connections() for s in conn.protocol.feeds})
 
     def _queued(self) -> list[int]:
-        """Per connection: encoded but unsent, plus what the socket has not taken yet."""
+        """Per connection: queued in the protocol, plus what the socket has not taken yet."""
         sizes = []
         for conn in self._connections():
             transport = getattr(conn.ws, "transport", None)
             size = transport.get_write_buffer_size() if transport is not None else 0
-            size += getattr(conn.protocol, "outbox_bytes", 0) + getattr(conn, "_unsent", 0)
+            size += getattr(conn.protocol, "outbox_bytes", 0)
             sizes.append(size)
         return sizes
 

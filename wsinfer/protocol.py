@@ -1,27 +1,65 @@
 """The per-connection session protocol, sans I/O.
 
-Frames in, typed requests and frames out; no ``await`` anywhere, so every rule
-of the wire protocol is testable without a socket. The server adapter
-(``server.py``) moves frames and runs the requests against Redis; it tells this
-object what happened (``accepted``, ``fail``, ``follow``, ``deliver``) and
-sends whatever ``data_to_send`` returns.
+Every decision of a connection is made here, with no ``await`` and no Redis:
+what ``generate``, ``stop``, ``pause``, ``resume`` and ``close`` do in each
+turn state, the capacity refusals, attaching on stop/pause, replay bounds,
+the exactly-once rule by ``seq`` and the merging of a lagging reader's deltas.
 
-What lives here is the exactly-once rule: a connection follows a session at
-most once, and each delta is sent only if its ``seq`` is past what this
-connection already sent for that turn. A lagging connection gets consecutive
-deltas merged into one (the protocol allows a delta to carry several tokens).
+Like websockets' ``Protocol``, it takes frames in and gives frames out
+(``receive``, ``data_to_send``). A request is worked through as a ``Plan``:
+it yields the commands of ``commands.py`` for the I/O layer (``handlers.py``)
+to execute and is sent back their results as events, so every rule of
+docs/protocol.md is tested by playing the I/O layer's part in a few lines.
+
+The exactly-once rule: a connection follows a session at most once, and each
+delta is sent only if its ``seq`` is past what this connection already sent
+for that turn. A lagging connection gets consecutive deltas merged into one
+(the protocol allows a delta to carry several tokens).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from enum import Enum
+from typing import Any, TypeVar
 
-from wsinfer.errors import WsinferError
+from wsinfer.commands import (
+    Admit,
+    Admitted,
+    CloseSession,
+    Command,
+    Control,
+    Controlled,
+    Event,
+    Lookup,
+    ReadTurn,
+    Refused,
+    StartTurn,
+    Subscribe,
+    TurnFound,
+    TurnRead,
+    TurnStarted,
+    Unsubscribe,
+    Watch,
+    Watched,
+)
+from wsinfer.contract import (
+    ClientMessageType,
+    ErrorCode,
+    FinishReason,
+    ServerMessageType,
+    TurnStatus,
+)
+from wsinfer.errors import Conflict, NotFound, Overloaded, WsinferError
 from wsinfer.messages import (
     ClientMessage,
     Codec,
+    Generate,
     Limits,
+    Resume,
+    SessionCommand,
     delta_message,
     done_message,
     error_message,
@@ -30,7 +68,84 @@ from wsinfer.messages import (
     paused_message,
     session_message,
 )
-from wsinfer.sessions.schema import DeltaEvent, DoneEvent, PausedEvent, TurnEvent, Usage
+from wsinfer.sessions.schema import (
+    DeltaEvent,
+    DoneEvent,
+    PausedEvent,
+    TurnError,
+    TurnEvent,
+    Usage,
+)
+
+# However a connection comes to follow a session (generate, resume, stop, pause).
+MAX_FOLLOWED_PER_CONNECTION = 64
+NO_SUCH_SESSION = "no such session (or wrong token)"
+
+Steps = Generator[Command, Event | None, None]
+E = TypeVar("E", bound=Event)
+
+
+class Reaction(Enum):
+    """What a ``stop`` or ``pause`` does, given the status of the turn it names."""
+
+    APPLY = "apply"  # the store moves the turn, or flags it for the engine running it
+    REPORT_PAUSED = "report_paused"  # already paused: a follower is told so again
+    NOTHING = "nothing"  # already done: its ``done`` was (or is being) sent
+
+
+# docs/protocol.md, "Clarifications": stop of a done turn is a no-op, pause of
+# a paused turn answers ``paused`` again. The rest is the store's state table.
+CONTROL_RULES: dict[tuple[ClientMessageType, TurnStatus], Reaction] = {
+    (ClientMessageType.STOP, TurnStatus.QUEUED): Reaction.APPLY,
+    (ClientMessageType.STOP, TurnStatus.RUNNING): Reaction.APPLY,
+    (ClientMessageType.STOP, TurnStatus.PAUSED): Reaction.APPLY,
+    (ClientMessageType.STOP, TurnStatus.DONE): Reaction.NOTHING,
+    (ClientMessageType.PAUSE, TurnStatus.QUEUED): Reaction.APPLY,
+    (ClientMessageType.PAUSE, TurnStatus.RUNNING): Reaction.APPLY,
+    (ClientMessageType.PAUSE, TurnStatus.PAUSED): Reaction.REPORT_PAUSED,
+    (ClientMessageType.PAUSE, TurnStatus.DONE): Reaction.NOTHING,
+}
+
+
+class Plan:
+    """One request worked through: the commands it needs, each chosen once the
+    previous one's event is known. The I/O layer calls ``start``, then ``send``
+    (or ``throw``) until they return None; a refusal raises ``WsinferError``."""
+
+    def __init__(self, steps: Steps) -> None:
+        self._steps = steps
+
+    def start(self) -> Command | None:
+        return self._advance(lambda: next(self._steps))
+
+    def send(self, event: Event | None) -> Command | None:
+        return self._advance(lambda: self._steps.send(event))
+
+    def throw(self, error: WsinferError) -> Command | None:
+        return self._advance(lambda: self._steps.throw(error))
+
+    @staticmethod
+    def _advance(step: Callable[[], Command]) -> Command | None:
+        try:
+            return step()
+        except StopIteration:
+            return None
+
+
+def _expect(event: Event | None, kind: type[E]) -> E:
+    """The event a command yields: anything else is a bug of the I/O layer."""
+    if not isinstance(event, kind):
+        raise TypeError(f"expected {kind.__name__}, got {event!r}")
+    return event
+
+
+def _status_after_refusal(current: str) -> TurnStatus:
+    """A refusal names a status, or says the turn is no longer the latest:
+    then a later turn has started, which only a done turn allows."""
+    try:
+        return TurnStatus(current)
+    except ValueError:
+        return TurnStatus.DONE
 
 
 @dataclass
@@ -70,11 +185,119 @@ class ConnectionProtocol:
             self.fail(exc, msg_id=message_id(data))
             return None
 
-    # --- outcomes reported by the adapter ---------------------------------------------
+    # --- requests ---------------------------------------------------------------------
 
-    def accepted(self, msg_id: str | int | None, session: str, token: str, turn: int) -> None:
-        self._queue(session_message(session, token, turn, msg_id))
-        self.follow(session, turn, after=0)
+    def plan(self, message: ClientMessage) -> Plan:
+        """What ``message`` does, as commands for the I/O layer to execute."""
+        if isinstance(message, Generate):
+            return Plan(self._generate(message))
+        if isinstance(message, Resume):
+            return Plan(self._resume(message))
+        if message.type is ClientMessageType.CLOSE:
+            return Plan(self._close(message))
+        return Plan(self._control(message))
+
+    def _generate(self, msg: Generate) -> Steps:
+        self._check_follow_limit(msg.session)
+        admitted = _expect((yield Admit()), Admitted)
+        outcome = yield StartTurn(msg, admitted.alive)
+        if isinstance(outcome, Refused):  # the state table: only after a done turn
+            raise Conflict(f"cannot start a turn while the session's turn is {outcome.current}")
+        started = _expect(outcome, TurnStarted)
+        if started.repeat:  # the client lost our answer: it rejoins that turn from the start
+            yield from self._rejoin(
+                msg.id, started.session, started.token, started.turn, started.status, after=0
+            )
+            return
+        self._queue(
+            session_message(started.session, started.token, started.turn, started.status, msg.id)
+        )
+        self.follow(started.session, started.turn, after=0)
+        yield Subscribe(started.session, started.turn, "0-0")
+
+    def _resume(self, msg: Resume) -> Steps:
+        self._check_follow_limit(msg.session)
+        found = _expect((yield Lookup(msg.session, msg.token)), TurnFound)
+        turn = msg.turn if msg.turn is not None else found.turn
+        if turn > found.turn:
+            raise NotFound(f"session has no turn {turn}")
+        # Only the latest turn can be unfinished: an earlier one ended before it started.
+        status = found.status if turn == found.turn else TurnStatus.DONE
+        yield from self._rejoin(msg.id, msg.session, msg.token, turn, status, msg.after)
+
+    def _rejoin(
+        self,
+        msg_id: str | int | None,
+        session: str,
+        token: str,
+        turn: int,
+        status: TurnStatus,
+        after: int,
+    ) -> Steps:
+        """Answer ``session`` with the turn's status and attach: a paused turn
+        continues, since whoever rejoins it wants its answer."""
+        resumed_at: int | None = None
+        if status is TurnStatus.PAUSED:
+            outcome = yield Control(session, token, turn, ClientMessageType.RESUME)
+            if isinstance(outcome, Controlled):
+                status, resumed_at = outcome.status, outcome.seq
+            else:  # another client resumed or stopped it first: follow it as it is
+                status = _status_after_refusal(_expect(outcome, Refused).current)
+        self._queue(session_message(session, token, turn, status, msg_id))
+        yield from self._attach(session, turn, after, resumed_at)
+
+    def _control(self, msg: SessionCommand) -> Steps:
+        """stop and pause: the requester sees the outcome (paused/done) like any follower."""
+        found = _expect((yield Lookup(msg.session, msg.token)), TurnFound)
+        following = msg.session in self.feeds
+        if not following:
+            self._check_follow_limit(msg.session)
+            yield from self._attach(msg.session, found.turn, after=found.seq)
+        reaction = CONTROL_RULES[(msg.type, found.status)]
+        if reaction is Reaction.APPLY:
+            outcome = yield Control(msg.session, msg.token, found.turn, msg.type)
+            if isinstance(outcome, Refused):  # the turn moved on since the lookup
+                reaction = _reaction_to_refusal(msg.type, outcome.current)
+        if reaction is Reaction.REPORT_PAUSED and following:  # else the replay said so
+            self.notify_paused(msg.session, found.turn, found.seq)
+
+    def _close(self, msg: SessionCommand) -> Steps:
+        yield CloseSession(msg.session, msg.token)
+        self.unfollow(msg.session)
+        yield Unsubscribe(msg.session)
+
+    def _attach(self, session: str, turn: int, after: int, resumed_at: int | None = None) -> Steps:
+        """Replay the turn after ``after``, then follow it live from the last
+        entry read, so nothing falls between the two; anything sent twice is
+        dropped by ``seq``. Watched at once, so a running turn is not idle-paused
+        under a client that has just come back. ``resumed_at``: this request
+        has just resumed the turn, paused at that seq."""
+        if not _expect((yield Watch(session, turn)), Watched).found:
+            raise NotFound(NO_SUCH_SESSION)
+        self.follow(session, turn, after)
+        try:
+            read = _expect((yield ReadTurn(session, turn, after)), TurnRead)
+        except WsinferError:  # do not leave a feed that nothing feeds
+            self.unfollow(session)
+            yield Unsubscribe(session)
+            raise
+        self.replay(session, turn, _without_resumed_pause(read.events, resumed_at))
+        if session in self.feeds:  # not yet done
+            yield Subscribe(session, turn, read.last_id)
+
+    def too_fast(self, message: ClientMessage, wait_s: float) -> None:
+        """Refuse a request over the connection's rate (not acted on): retry in
+        ``wait_s``, rounded up to the millisecond, since a ``retry_after`` of 0
+        would invite an immediate retry, refused again."""
+        retry_after = math.ceil(wait_s * 1000) / 1000
+        error = Overloaded("too many requests on this connection", retry_after=retry_after)
+        self.fail(error, msg_id=message.id, session=getattr(message, "session", None))
+
+    def _check_follow_limit(self, session: str | None) -> None:
+        if session not in self.feeds and len(self.feeds) >= MAX_FOLLOWED_PER_CONNECTION:
+            raise Overloaded(f"a connection follows at most {MAX_FOLLOWED_PER_CONNECTION} sessions")
+
+    # --- outcomes reported by the adapter ---------------------------------------------
 
     def fail(
         self, exc: WsinferError, *, msg_id: str | int | None = None, session: str | None = None
@@ -99,8 +322,8 @@ class ConnectionProtocol:
         if feed is None:
             return
         usage = Usage(completion_tokens=feed.last_seq)
-        error = {"code": "not_found", "message": reason}
-        event = DoneEvent(feed.last_seq, "error", usage, error)
+        error = TurnError(ErrorCode.NOT_FOUND, reason)
+        event = DoneEvent(feed.last_seq, FinishReason.ERROR.value, usage, error)
         self._queue(done_message(session, feed.turn, event))
 
     def notify_paused(self, session: str, turn: int, seq: int) -> None:
@@ -155,9 +378,40 @@ class ConnectionProtocol:
             return Outgoing(self.codec.encode(message), message)
         except (TypeError, ValueError, OverflowError) as exc:  # UnicodeError is a ValueError
             text = f"unsendable {message.get('type')} reply: {exc!r}"[:200]
-            error = error_message("internal", text)
+            error = error_message(ErrorCode.INTERNAL, text)
             return Outgoing(self.codec.encode(error), error)
 
+
+def _without_resumed_pause(events: list[TurnEvent], resumed_at: int | None) -> list[TurnEvent]:
+    """A turn's history without the pause that this request has just resumed.
+
+    That pause was the stream's last event when the resume was applied; one
+    that follows it is newer (another pause since) and stays. A pause at the
+    same seq right after another is taken for the newer one: at worst a stale
+    ``paused`` is sent, never a current one lost.
+    """
+    if resumed_at is None or not events:
+        return events
+
+    def resumed_pause(event: TurnEvent | None) -> bool:
+        return isinstance(event, PausedEvent) and event.seq == resumed_at
+
+    before = events[-2] if len(events) > 1 else None
+    if resumed_pause(events[-1]) and not resumed_pause(before):
+        return events[:-1]
+    return events
+
+
+def _reaction_to_refusal(action: ClientMessageType, current: str) -> Reaction:
+    """The store refused a stop/pause the lookup allowed: the turn changed in
+    between. Paused or done meanwhile reads as for that status; else conflict."""
+    reaction = CONTROL_RULES.get((action, _status_after_refusal(current)), Reaction.APPLY)
+    if reaction is Reaction.APPLY:
+        raise Conflict(f"cannot {action.value} a turn that is {current}")
+    return reaction
+
+
+_DELTA = ServerMessageType.DELTA.value  # read once: the merge loop runs per message
 
 # Bytes a message costs beyond its text (keys, ids, framing), for the budget.
 _MESSAGE_OVERHEAD = 96
@@ -174,8 +428,8 @@ def _coalesce(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         prev = out[-1] if out else None
         if (
             prev is not None
-            and message["type"] == "delta"
-            and prev["type"] == "delta"
+            and message["type"] == _DELTA
+            and prev["type"] == _DELTA
             and prev["session"] == message["session"]
             and prev["turn"] == message["turn"]
         ):
@@ -184,7 +438,7 @@ def _coalesce(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         if texts and len(texts) > 1:
             out[-1]["text"] = "".join(texts)
-        texts = [message["text"]] if message["type"] == "delta" else []
+        texts = [message["text"]] if message["type"] == _DELTA else []
         out.append(message)
     if len(texts) > 1:
         out[-1]["text"] = "".join(texts)

@@ -27,30 +27,23 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from wsinfer.errors import (
-    ClientError,
-    Overloaded,
-    StoreUnavailable,
-    WsinferError,
-    to_protocol_error,
-)
+from wsinfer.contract import CloseCode, ErrorCode
+from wsinfer.errors import ClientError, StoreUnavailable, WsinferError
 from wsinfer.fanin import make_fanin
-from wsinfer.handlers import Handlers
+from wsinfer.handlers import Handlers, to_protocol_error
 from wsinfer.http.app import HttpApp
 from wsinfer.http.door import front_door
 from wsinfer.limits import CapacityGate, LogThrottle, TokenBucket, origin_allowed
 from wsinfer.messages import SUBPROTOCOLS, Limits, codec_for
 from wsinfer.metrics import Metrics
 from wsinfer.protocol import ConnectionProtocol
+from wsinfer.sendpath import DeflateLargeFactory, Sender
 from wsinfer.sessions.connect import ready
 from wsinfer.sessions.connection import DEFAULT_POOL_SIZE, async_client
+from wsinfer.sessions.schema import DEFAULT_SESSION_TTL_S, ENGINE_FRESH_S
 from wsinfer.sessions.store import SessionStore
 
 log = structlog.get_logger("wsinfer.frontend")
-
-# The close code of a frontend that is shutting down for a restart (RFC 6455's
-# registry: 1012 Service Restart): reconnect, to another frontend, and resume.
-SERVICE_RESTART = 1012
 
 # Resolved through the package, so it works installed as well as editable.
 BROWSER_DIR = Path(str(files("wsinfer.clients") / "browser"))
@@ -62,12 +55,12 @@ class FrontendConfig:
     port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"
     api_keys: frozenset[str] = frozenset()
-    session_ttl_s: int = 3600
+    session_ttl_s: int = DEFAULT_SESSION_TTL_S
     max_queued_turns: int = 256  # beyond this, generate gets `overloaded`
     max_frame_bytes: int = 1 << 20
     touch_interval_s: float = 5.0
     model_name: str = "wsinfer"  # the model id of the OpenAI-compatible routes
-    engine_heartbeat_s: float = 5.0  # an engine silent longer than this is not counted
+    engine_heartbeat_s: float = ENGINE_FRESH_S  # an engine silent longer is not counted
     redis_pool_size: int = DEFAULT_POOL_SIZE  # requests beyond it wait for a connection
     # Per connection: output waiting for a slow reader before its sources pause,
     # and requests per second (bursts of twice that) before `overloaded`.
@@ -114,6 +107,7 @@ class Frontend:
             process_request=self._process_request,
             create_connection=front_door(self.http),
             max_size=self.config.max_frame_bytes,
+            extensions=[DeflateLargeFactory()],
             ping_interval=20,
             ping_timeout=20,
         )
@@ -133,7 +127,7 @@ class Frontend:
         self.draining = True
         if self.server is not None:
             log.info("draining", frontend=self.id, connections=len(self.connections))
-            self.server.close(code=SERVICE_RESTART, reason="service restart")
+            self.server.close(code=CloseCode.SERVICE_RESTART, reason="service restart")
             await self.server.wait_closed()
 
     async def stop(self) -> None:
@@ -206,7 +200,7 @@ class Frontend:
                 return _text(HTTPStatus.FORBIDDEN, "origin not allowed (see --allowed-origin)\n")
             if self._authorized(request):
                 return None
-            self.metrics.refusals.labels(code="unauthorized").inc()
+            self.metrics.refusals.labels(code=ErrorCode.UNAUTHORIZED.value).inc()
             return _text(HTTPStatus.UNAUTHORIZED, "bad or missing API key\n")
         if path == "/healthz":
             return await self._healthz()
@@ -265,17 +259,16 @@ class Connection:
         self.protocol = ConnectionProtocol(codec_for(ws.subprotocol), frontend.config.limits)
         self.log = log.bind(conn=self.id)
         self.handlers = Handlers(self)
-        self._wakeup = asyncio.Event()
         self.clock = frontend.metrics.clock()
+        self.sender = Sender(ws, self.protocol, self.clock.sent, self._check_pressure)
         config = frontend.config
         self.bucket = TokenBucket(config.request_rate, max(1.0, 2 * config.request_rate))
         self.congested = False  # the client is not reading: sources are paused
         self._drained = asyncio.Event()
         self._drained.set()
-        self._unsent = 0  # bytes taken from the protocol, not yet handed to the socket
 
     async def run(self) -> None:
-        writer = asyncio.create_task(self._write())
+        writer = asyncio.create_task(self.sender.run())
         try:
             async for frame in self.ws:
                 await self._on_frame(frame)
@@ -291,16 +284,14 @@ class Connection:
         message = self.protocol.receive(frame)
         wait = self.bucket.take() if message is not None else 0.0
         if message is not None and wait > 0:
-            limited = Overloaded("too many requests on this connection", retry_after=round(wait, 3))
-            self.protocol.fail(
-                limited, msg_id=message.id, session=getattr(message, "session", None)
-            )
+            self.protocol.too_fast(message, wait)
         elif message is not None:
             try:
                 await self.handlers.handle(message)
             except Exception as exc:  # every failure becomes an error message
                 error = to_protocol_error(exc)
-                self._log_failure(exc, error, type(message).__name__)
+                cause = error.__cause__ if isinstance(error.__cause__, Exception) else exc
+                self._log_failure(cause, error, type(message).__name__)
                 session = getattr(message, "session", None)
                 self.protocol.fail(error, msg_id=message.id, session=session)
         self.flush()
@@ -309,34 +300,24 @@ class Connection:
         """Client mistakes are one INFO line; outages one WARNING; only our own
         bugs get a traceback. Repeats of each are rate-limited."""
         if isinstance(error, ClientError):
-            self.frontend.log_limited("info", "request refused", code=error.code, request=request)
+            self.frontend.log_limited(
+                "info", "request refused", code=error.code.value, request=request
+            )
         elif isinstance(error, StoreUnavailable):
             self.frontend.log_limited("warning", "redis unavailable", error=str(exc))
         elif isinstance(exc, WsinferError):
-            self.frontend.log_limited("warning", "request failed", code=error.code)
+            self.frontend.log_limited("warning", "request failed", code=error.code.value)
         else:
             self.frontend.log_limited("exception", "request failed", request=request)
 
     def flush(self) -> None:
-        self._wakeup.set()
+        self.sender.schedule()
         self._check_pressure()
-
-    async def _write(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            batch = self.protocol.data_to_send()
-            self._unsent = sum(len(out.frame) for out in batch)
-            for out in batch:
-                self.clock.sent(out.message)
-                await self.ws.send(out.frame)  # waits while the client does not read
-                self._unsent -= len(out.frame)
-                self._check_pressure()
 
     def _check_pressure(self) -> None:
         """Pause this connection's sources (its requests, its turns' streams) while
         more than ``max_outgoing_bytes`` wait for the client; resume at half."""
-        pending = self.protocol.outbox_bytes + self._unsent
+        pending = self.protocol.outbox_bytes + self.sender.buffered
         limit = self.frontend.config.max_outgoing_bytes
         fanin = self.frontend.fanin
         if not self.congested and pending > limit:

@@ -172,7 +172,8 @@ const ERROR_TEXT = {
   too_large: "The message is too long for the server.",
   engine_unavailable: "No model is available right now. Try again shortly.",
   internal: "The server had an internal error.",
-  cancelled: "The conversation was closed.",
+  client_closed: "The conversation was closed.",
+  connection_lost: "The connection to the server was lost; the next message reconnects.",
 };
 
 function showError(error) {
@@ -190,7 +191,7 @@ function updateControls() {
   const active = !!(turn && turn.active);
   setDisabled(els.send, active, els.stop);
   setDisabled(els.stop, !active, els.input);
-  setDisabled(els.pause, status !== "running", els.resume);
+  setDisabled(els.pause, status !== "running" && status !== "queued", els.resume);
   setDisabled(els.resume, status !== "paused", els.pause);
   document.body.dataset.turn = active ? status : "idle";
 }

@@ -3,8 +3,8 @@
 export declare const PROTOCOL_VERSION: 1;
 export declare const SUBPROTOCOL: "wsinfer.v1.json";
 
-/** Error codes the server (or the client itself) reports. */
-export type ErrorCode =
+/** Error codes the server reports (wsinfer/contract.py `ErrorCode`). */
+export type ServerErrorCode =
   | "bad_request"
   | "unauthorized"
   | "not_found"
@@ -12,9 +12,15 @@ export type ErrorCode =
   | "too_large"
   | "overloaded"
   | "engine_unavailable"
-  | "internal"
-  | "cancelled"
-  | (string & {});
+  | "internal";
+
+/** Codes the client raises itself, the same as the Python client's (`ClientErrorCode`). */
+export type ClientErrorCode = "connection_lost" | "client_closed";
+
+export type ErrorCode = ServerErrorCode | ClientErrorCode | (string & {});
+
+export declare const ErrorCode: { readonly [name: string]: ServerErrorCode };
+export declare const ClientErrorCode: { readonly [name: string]: ClientErrorCode };
 
 export interface Message {
   role: "system" | "user" | "assistant";
@@ -47,7 +53,8 @@ export interface Usage {
 }
 
 export type FinishReason = "stop" | "length" | "cancelled" | "error";
-export type TurnStatus = "starting" | "running" | "paused" | "done" | "error";
+/** The server's status, plus "starting" (not answered yet) and "error" (failed here). */
+export type TurnStatus = "starting" | "queued" | "running" | "paused" | "done" | "error";
 export type ConnectionState = "idle" | "connecting" | "open" | "reconnecting" | "closed";
 
 /** Where the client keeps session id, token and the in-flight turn (a Web Storage subset). */

@@ -14,6 +14,26 @@
 // `closed`). Session id, token, turn number, last applied seq and the text so
 // far live in sessionStorage (or the `storage` you pass), so a reload
 // continues the answer (`restoreTurn`).
+//
+// The contract is the Python client's (clients/protocol.py): requests carry
+// ids; a `generate` carries a random `idempotency_key` and is re-sent, same id
+// and key, until it is answered, so a drop before its answer never starts a
+// second turn; after a drop the client repeats stop, resumes from the last
+// applied seq, then repeats pause; `status` is what the server's `session`
+// answer and events say. Codes and types come from contract.js, generated from
+// wsinfer/contract.py.
+
+import {
+  ClientErrorCode,
+  ClientMessageType as Send,
+  ErrorCode,
+  FinishReason,
+  IDEMPOTENCY_KEY_HEX,
+  ServerMessageType,
+  TurnStatus,
+} from "./contract.js";
+
+export { ClientErrorCode, ErrorCode };
 
 export const PROTOCOL_VERSION = 1;
 export const SUBPROTOCOL = "wsinfer.v1.json";
@@ -32,13 +52,25 @@ export class WsinferError extends Error {
   }
 
   static fromMessage(msg) {
-    return new WsinferError(msg.code || "internal", msg.message || msg.code, {
+    return new WsinferError(msg.code || ErrorCode.INTERNAL, msg.message || msg.code, {
       retryAfter: msg.retry_after ?? null,
       session: msg.session ?? null,
       id: msg.id ?? null,
     });
   }
 }
+
+function idempotencyKey() {
+  const bytes = new Uint8Array(IDEMPOTENCY_KEY_HEX / 2);
+  globalThis.crypto.getRandomValues(bytes);
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+// Client-only statuses around the server's TurnStatus: "starting" (no answer
+// yet) and "error" (failed here, whatever the server did).
+const STARTING = "starting";
+const FAILED = "error";
+const LIVE = new Set([STARTING, TurnStatus.QUEUED, TurnStatus.RUNNING]);
 
 function event(type, detail) {
   return new CustomEvent(type, { detail });
@@ -71,10 +103,11 @@ function defaultStorage() {
 
 /**
  * One turn of a conversation: an async iterator of text deltas and an
- * EventTarget. `status` is one of starting, running, paused, done, error.
+ * EventTarget. `status` is one of starting, queued, running, paused, done,
+ * error: the server's word, except starting (not answered yet) and error.
  */
 export class WsinferTurn extends EventTarget {
-  constructor(client, { text = "", seq = 0, turn = null, status = "starting" } = {}) {
+  constructor(client, { text = "", seq = 0, turn = null, status = STARTING } = {}) {
     super();
     this.client = client;
     this.turn = turn;
@@ -101,25 +134,30 @@ export class WsinferTurn extends EventTarget {
   }
 
   get active() {
-    return this.status === "starting" || this.status === "running" || this.status === "paused";
+    return LIVE.has(this.status) || this.status === TurnStatus.PAUSED;
+  }
+
+  /** Whether a fresh connection re-joins it (a paused turn is left paused). */
+  get live() {
+    return LIVE.has(this.status);
   }
 
   /** End the turn now; it finishes with `done`, finishReason "cancelled". */
   stop() {
     if (!this.active) return;
-    this.client._control(this, "stop");
+    this.client._control(this, Send.STOP);
   }
 
   /** Halt generation but keep the turn; answered by a `paused` event. */
   pause() {
-    if (this.status !== "running" && this.status !== "starting") return;
-    this.client._control(this, "pause");
+    if (!this.live) return;
+    this.client._control(this, Send.PAUSE);
   }
 
   /** Continue a paused turn (or re-attach after anything): no gap, no repeat. */
   resume() {
     if (!this.active) return;
-    if (this.status === "paused") this.status = "running"; // the server continues it
+    if (this.status === TurnStatus.PAUSED) this.status = TurnStatus.RUNNING; // the server continues it
     this.client._resumeTurn(this);
   }
 
@@ -128,8 +166,8 @@ export class WsinferTurn extends EventTarget {
     const next = async () => {
       for (;;) {
         if (index < this._chunks.length) return { value: this._chunks[index++], done: false };
-        if (this.status === "error") throw this.error;
-        if (this.status === "done") return { value: undefined, done: true };
+        if (this.status === FAILED) throw this.error;
+        if (this.status === TurnStatus.DONE) return { value: undefined, done: true };
         await new Promise((wake) => this._wakers.push(wake));
       }
     };
@@ -148,7 +186,7 @@ export class WsinferTurn extends EventTarget {
     if (this.firstDeltaAt === null) this.firstDeltaAt = now;
     this.seq = seq;
     if (text) this._chunks.push(text);
-    if (this.status === "starting" || this.status === "paused") this.status = "running";
+    this.status = TurnStatus.RUNNING; // a delta is the server saying so
     this.dispatchEvent(event("delta", { text, seq, time: now }));
     this._wake();
     return true;
@@ -156,7 +194,7 @@ export class WsinferTurn extends EventTarget {
 
   _setPaused(seq) {
     if (!this.active) return;
-    this.status = "paused";
+    this.status = TurnStatus.PAUSED;
     this.dispatchEvent(event("paused", { seq: seq ?? this.seq }));
   }
 
@@ -164,12 +202,12 @@ export class WsinferTurn extends EventTarget {
     if (!this.active) return;
     this.finishReason = msg.finish_reason ?? null;
     this.usage = msg.usage ?? null;
-    if (this.finishReason === "error") {
+    if (this.finishReason === FinishReason.ERROR) {
       const err = msg.error || {};
-      this._fail(new WsinferError(err.code || "internal", err.message, { session: msg.session }), msg);
+      this._fail(new WsinferError(err.code || ErrorCode.INTERNAL, err.message, { session: msg.session }), msg);
       return;
     }
-    this.status = "done";
+    this.status = TurnStatus.DONE;
     const detail = { text: this.text, seq: this.seq, finishReason: this.finishReason, usage: this.usage };
     this.dispatchEvent(event("done", detail));
     this._resolve(detail);
@@ -178,13 +216,13 @@ export class WsinferTurn extends EventTarget {
 
   _fail(error, doneMsg = null) {
     if (!this.active) return;
-    this.status = "error";
+    this.status = FAILED;
     this.error = error;
     const ev = new ErrorEvent("error", { error, message: error.message });
     ev.fatal = true;
     this.dispatchEvent(ev);
     if (doneMsg) {
-      this.dispatchEvent(event("done", { text: this.text, seq: this.seq, finishReason: "error", usage: this.usage, error }));
+      this.dispatchEvent(event("done", { text: this.text, seq: this.seq, finishReason: FinishReason.ERROR, usage: this.usage, error }));
     }
     this._reject(error);
     this._wake();
@@ -241,9 +279,9 @@ export class WsinferClient extends EventTarget {
   /** Start a turn. Later calls add turns to the same session. */
   generate({ messages, prompt, params } = {}) {
     if (this.currentTurn && this.currentTurn.active) {
-      throw new WsinferError("conflict", "a turn is still running; stop it first");
+      throw new WsinferError(ErrorCode.CONFLICT, "a turn is still running; stop it first");
     }
-    const msg = { type: "generate" };
+    const msg = { type: Send.GENERATE, idempotency_key: idempotencyKey() };
     if (messages !== undefined) msg.messages = messages;
     if (prompt !== undefined) msg.prompt = prompt;
     if (params && Object.keys(params).length) msg.params = params;
@@ -262,10 +300,10 @@ export class WsinferClient extends EventTarget {
     const s = this._saved;
     if (!s || !s.session || s.turn == null || !s.status) return null;
     if (this.currentTurn) return this.currentTurn;
-    const status = s.status === "paused" ? "paused" : "running";
+    const status = s.status === TurnStatus.PAUSED ? TurnStatus.PAUSED : TurnStatus.RUNNING;
     const turn = new WsinferTurn(this, { text: s.text || "", seq: s.seq || 0, turn: s.turn, status });
     this.currentTurn = turn;
-    if (status === "running") this._resumeTurn(turn, true);
+    if (turn.live) this._resumeTurn(turn, true);
     else this._ensureSocket();
     return turn;
   }
@@ -286,10 +324,10 @@ export class WsinferClient extends EventTarget {
   /** End the session (deleting its state on the server) and the connection. */
   close() {
     if (this.currentTurn && this.currentTurn.active) {
-      this.currentTurn._fail(new WsinferError("cancelled", "the session was closed"));
+      this.currentTurn._fail(new WsinferError(ClientErrorCode.CLIENT_CLOSED, "the session was closed"));
     }
     if (this.session && this._ws && this._ws.readyState === 1) {
-      this._ws.send(JSON.stringify({ type: "close", session: this.session, token: this.sessionToken }));
+      this._ws.send(JSON.stringify({ type: Send.CLOSE, session: this.session, token: this.sessionToken }));
     }
     this.session = this.sessionToken = null;
     this.currentTurn = null;
@@ -306,7 +344,7 @@ export class WsinferClient extends EventTarget {
 
   _request(msg, turn) {
     msg.id ??= this._newId();
-    if (msg.type === "generate" && this.session) {
+    if (msg.type === Send.GENERATE && this.session) {
       msg.session = this.session;
       msg.token = this.sessionToken;
     }
@@ -315,7 +353,7 @@ export class WsinferClient extends EventTarget {
   }
 
   _control(turn, type) {
-    if (turn.status === "starting" && turn.turn == null) {
+    if (turn.status === STARTING && turn.turn == null) {
       turn._deferred = type; // sent once the server has told us the session
       return;
     }
@@ -324,7 +362,7 @@ export class WsinferClient extends EventTarget {
 
   _resumeTurn(turn, restoring = false) {
     if (!this.session) return;
-    const msg = { type: "resume", session: this.session, token: this.sessionToken, after: turn.seq };
+    const msg = { type: Send.RESUME, session: this.session, token: this.sessionToken, after: turn.seq };
     if (turn.turn != null) msg.turn = turn.turn;
     if (restoring) this._announce.add(msg.id = this._newId()); // say "resumed" once it is sent
     this._request(msg, turn);
@@ -366,7 +404,7 @@ export class WsinferClient extends EventTarget {
     try {
       ws = new this._WebSocket(this._socketUrl(), SUBPROTOCOL);
     } catch (err) {
-      this._dispatchClientError(new WsinferError("bad_request", `cannot open ${this.url}: ${err.message}`));
+      this._dispatchClientError(new WsinferError(ClientErrorCode.CONNECTION_LOST, `cannot open ${this.url}: ${err.message}`));
       this._setState("closed", { code: 0, reason: err.message, willReconnect: false });
       return;
     }
@@ -383,21 +421,18 @@ export class WsinferClient extends EventTarget {
     this._everOpened = true;
     this._attempt = 0;
     this._setState("open", { reconnected });
-    const turn = this.currentTurn;
-    // Re-attach the running turn first, so queued controls act on a followed session.
+    // The order of the Python client's rejoin: unanswered generates and stops,
+    // then the live turn's resume (so the controls after it act on a followed
+    // session, and a stop goes out before a resume could un-pause), then pauses.
     const queue = this._queue;
     this._queue = [];
-    let resumed = null;
-    if (reconnected && turn && turn.status === "running" && this.session && turn.turn != null) {
-      resumed = { session: this.session, turn: turn.turn, after: turn.seq };
-      const msg = { type: "resume", session: this.session, token: this.sessionToken, after: turn.seq, turn: turn.turn };
-      msg.id = this._newId();
-      this._pending.set(msg.id, { type: "resume", turn, msg });
-      ws.send(JSON.stringify(msg));
-    }
-    for (const msg of queue) {
-      if (msg.type === "resume" && resumed) continue; // just sent a fresher one
-      ws.send(JSON.stringify(msg));
+    const early = (m) => m.type === Send.GENERATE || m.type === Send.STOP;
+    const send = (m) => ws.send(JSON.stringify(m));
+    queue.filter(early).forEach(send);
+    let resumed = reconnected ? this._rejoin(ws) : null;
+    for (const msg of queue.filter((m) => !early(m))) {
+      if (msg.type === Send.RESUME && resumed) continue; // just sent a fresher one
+      send(msg);
       if (this._announce.delete(msg.id)) {
         resumed = { session: msg.session, turn: msg.turn ?? null, after: msg.after, restored: true };
       }
@@ -405,22 +440,35 @@ export class WsinferClient extends EventTarget {
     if (resumed) this.dispatchEvent(event("resumed", resumed));
   }
 
+  /** Resume the live turn from the last applied seq on a fresh connection. */
+  _rejoin(ws) {
+    const turn = this.currentTurn;
+    if (!turn || !turn.live || !this.session || turn.turn == null) return null;
+    const msg = { type: Send.RESUME, session: this.session, token: this.sessionToken, after: turn.seq, turn: turn.turn };
+    msg.id = this._newId();
+    this._pending.set(msg.id, { type: Send.RESUME, turn, msg });
+    ws.send(JSON.stringify(msg));
+    return { session: this.session, turn: turn.turn, after: turn.seq };
+  }
+
   _onClose(ws, ev) {
     if (ws !== this._ws) return;
     this._ws = null;
-    // Requests sent on the dead socket: generate is re-sent (its answer may be lost),
+    // Requests sent on the dead socket: generate is re-sent as it was (same id
+    // and idempotency key: the server answers the turn it may have started),
     // controls are re-sent, resume is rebuilt from the current seq on open.
     for (const [id, p] of this._pending) {
       if (this._queue.includes(p.msg)) continue; // never sent: goes out as it is
-      if (p.type === "resume" || !p.turn.active) this._pending.delete(id);
-      else this._queue.push(p.msg); // unanswered (its answer may be lost): ask again, same id
+      if (p.type === Send.RESUME || !p.turn.active) this._pending.delete(id);
+      else this._queue.push(p.msg); // unanswered (its answer may be lost): ask again
     }
     if (this.state === "closed") return;
-    const wanted = this._queue.length > 0 || (this.currentTurn && this.currentTurn.status === "running");
+    const wanted = this._queue.length > 0 || (this.currentTurn && this.currentTurn.live);
     if (!wanted || this._attempt >= this.maxAttempts) {
       this._setState("closed", { code: ev.code, reason: ev.reason, willReconnect: false });
       if (this._attempt >= this.maxAttempts && this.currentTurn) {
-        this.currentTurn._fail(new WsinferError("engine_unavailable", "connection lost; gave up reconnecting"));
+        const lost = new WsinferError(ClientErrorCode.CONNECTION_LOST, "connection lost; gave up reconnecting");
+        this.currentTurn._fail(lost);
       }
       return;
     }
@@ -456,27 +504,32 @@ export class WsinferClient extends EventTarget {
     } catch {
       return;
     }
-    const handler = this[`_on_${msg.type}`];
-    if (handler) handler.call(this, msg);
+    if (!Object.values(ServerMessageType).includes(msg.type)) return; // a newer server's type
+    this[`_on_${msg.type}`](msg);
   }
 
   _turnFor(msg) {
     const turn = this.currentTurn;
     if (!turn || msg.session !== this.session) return null;
-    if (turn._adoptLatest && turn.turn == null) turn.turn = msg.turn; // resumed "latest" after a lost generate answer
     return msg.turn === turn.turn ? turn : null;
   }
 
   _on_session(msg) {
     const p = msg.id != null ? this._pending.get(msg.id) : null;
     if (p) this._pending.delete(msg.id);
-    if (!p || p.type !== "generate") return;
+    if (!p) return;
     const turn = p.turn;
+    if (p.type !== Send.GENERATE) {
+      // A resume answered with the turn's status.
+      if (msg.status && turn.active && msg.status !== TurnStatus.DONE) turn.status = msg.status;
+      return;
+    }
     this.session = msg.session;
     this.sessionToken = msg.token;
     turn.session = msg.session;
     turn.turn = msg.turn;
-    if (turn.status === "starting") turn.status = "running";
+    // The server's word; an older server says nothing, and a turn it answered is running.
+    if (turn.status === STARTING) turn.status = msg.status || TurnStatus.RUNNING;
     this._save();
     turn.dispatchEvent(event("session", { session: msg.session, turn: msg.turn }));
     if (turn._deferred) this._control(turn, turn._deferred);
@@ -492,14 +545,14 @@ export class WsinferClient extends EventTarget {
   _on_delta(msg) {
     const turn = this._turnFor(msg);
     if (!turn || !turn.active) return;
-    this._settle(turn, ["resume"]);
+    this._settle(turn, [Send.RESUME]);
     if (turn._applyDelta(msg.seq, msg.text)) this._save();
   }
 
   _on_paused(msg) {
     const turn = this._turnFor(msg);
     if (!turn) return;
-    this._settle(turn, ["pause", "resume"]);
+    this._settle(turn, [Send.PAUSE, Send.RESUME]);
     turn._setPaused(msg.seq);
     this._save();
   }
@@ -507,7 +560,7 @@ export class WsinferClient extends EventTarget {
   _on_done(msg) {
     const turn = this._turnFor(msg);
     if (!turn) return;
-    this._settle(turn, ["pause", "resume", "stop"]);
+    this._settle(turn, [Send.PAUSE, Send.RESUME, Send.STOP]);
     turn._finish(msg);
     this._save();
   }
@@ -518,16 +571,9 @@ export class WsinferClient extends EventTarget {
     if (p) this._pending.delete(msg.id);
     if (!p) return this._dispatchClientError(error);
     const turn = p.turn;
-    if (p.type === "generate") {
-      if (error.code === "conflict" && this.session && turn.status === "starting") {
-        // Our generate got through before the connection dropped: follow it.
-        turn.turn = null;
-        turn._adoptLatest = true;
-        turn.status = "running";
-        return this._resumeTurn(turn);
-      }
+    if (p.type === Send.GENERATE) {
       turn._fail(error);
-    } else if (p.type === "resume" && error.code === "not_found") {
+    } else if (p.type === Send.RESUME && error.code === ErrorCode.NOT_FOUND) {
       this.session = this.sessionToken = null; // expired or closed: start afresh next time
       turn._fail(error);
     } else {

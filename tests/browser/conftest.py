@@ -2,31 +2,23 @@
 Playwright, a real ``wsinfer serve`` on localhost, and a TCP proxy the tests
 can cut to simulate a dropped connection.
 
-Everything skips with the reason when Chromium, Playwright or the server is
-missing; CI installs them, so there the tests really run.
+Everything skips with the reason when Chromium or Playwright is missing; CI
+installs them, so there the tests really run.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .helpers import Proxy
+from tests.stack import start_serve, stop_serve
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # for `tests.models`
-    sys.path.insert(0, str(REPO))
+from .helpers import Proxy
 
 CHROMIUM = os.environ.get("WSINFER_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -39,7 +31,6 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-SERVER_START_TIMEOUT = 180.0
 
 
 # ---- browser ------------------------------------------------------------------
@@ -124,7 +115,6 @@ async def proxy_to() -> AsyncIterator[Any]:
 class RunningServer:
     port: int
     proc: subprocess.Popen[str]
-    log: Path
 
     @property
     def http_url(self) -> str:
@@ -135,62 +125,11 @@ class RunningServer:
         return f"ws://127.0.0.1:{self.port}/v1/ws"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/healthz", timeout=2) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
-
-
-def _tail(log: Path) -> str:
-    return log.read_text(errors="replace")[-4000:]
-
-
-def _wsinfer_exe() -> str | None:
-    beside = Path(sys.executable).parent / "wsinfer"
-    if beside.exists():
-        return str(beside)
-    return shutil.which("wsinfer")
-
-
 @pytest.fixture(scope="session")
-def wsinfer_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def wsinfer_server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: str
+) -> Iterator[RunningServer]:
     """``wsinfer serve`` with the tiny random-weight model, once per test session."""
-    exe = _wsinfer_exe()
-    if exe is None or not (REPO / "wsinfer" / "cli.py").exists():
-        pytest.skip("wsinfer serve is not available (wsinfer/cli.py missing)")
-    try:
-        from tests.models import tiny_model_dir
-    except ImportError as exc:
-        pytest.skip(f"tests.models.tiny_model_dir unavailable: {exc}")
-    model_dir = tiny_model_dir()
-    port = _free_port()
-    log = tmp_path_factory.mktemp("browser-serve") / "serve.log"
-    logf = log.open("w")
-    cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port), "--model", str(model_dir)]
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, text=True)
-    server = RunningServer(port, proc, log)
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
-        while not _healthy(server.http_url):
-            if proc.poll() is not None:
-                pytest.fail(f"wsinfer serve exited ({proc.returncode}):\n{_tail(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"wsinfer serve not healthy in {SERVER_START_TIMEOUT}s:\n{_tail(log)}")
-            time.sleep(0.2)
-        yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        logf.close()
+    process, port = start_serve(tmp_path_factory.mktemp("browser-serve"), "--model", tiny_model)
+    yield RunningServer(port, process)
+    assert stop_serve(process) == 0

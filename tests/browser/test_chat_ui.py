@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from tests.clients.standin import StandIn, word_text
+
 from .helpers import answer_text, ask, screenshot, wait_done, wait_seq
-from .standin import StandIn, word_text
 
 MARKDOWN = (
     "# Plan\n\n"
@@ -42,8 +43,8 @@ def words(n: int) -> str:
 
 @pytest.fixture
 async def standin() -> AsyncIterator[tuple[StandIn, int]]:
-    server = StandIn(token_interval=0.01)
-    port = await server.start()
+    server = StandIn(delay=0.01, default_tokens=50, serve_files=True)
+    port = (await server.start()).port
     yield server, port
     await server.stop()
 
@@ -73,7 +74,7 @@ async def test_markdown_streamed_in_pieces_renders_safely(
     make_page: Any, standin: tuple[StandIn, int]
 ) -> None:
     server, port = standin
-    server.token_interval = 0.03
+    server.delay = 0.03
     server.pieces = pieces(MARKDOWN, 3)  # fences, ** and tags all cut mid-way
     page = await make_page()
     await page.context.grant_permissions(["clipboard-read", "clipboard-write"])
@@ -140,9 +141,10 @@ async def test_phone_layout(make_page: Any, standin: tuple[StandIn, int]) -> Non
         assert await wait_done(page) == "length"
         # Nothing sticks out sideways; the list is a drawer behind the menu button.
         assert await page.evaluate("document.documentElement.scrollWidth") <= 390
-        assert not await page.locator("#conversations").is_visible() or (
-            await page.locator("#sidebar").bounding_box()
-        )["x"] < 0
+        assert (
+            not await page.locator("#conversations").is_visible()
+            or (await page.locator("#sidebar").bounding_box())["x"] < 0
+        )
         await screenshot(page, f"ui-phone-{scheme}")
         await page.click("#menu")
         await page.wait_for_function(
@@ -296,11 +298,9 @@ async def test_regenerate_and_edit(make_page: Any, standin: tuple[StandIn, int])
     assert [t.strip() for t in shown] == ["uno", words(4).strip()]
 
 
-async def test_keyboard_and_settings_persist(
-    make_page: Any, standin: tuple[StandIn, int]
-) -> None:
+async def test_keyboard_and_settings_persist(make_page: Any, standin: tuple[StandIn, int]) -> None:
     server, port = standin
-    server.token_interval = 0.02
+    server.delay = 0.02
     page = await make_page()
     await page.goto(f"http://127.0.0.1:{port}/")
     await page.click("#open-settings")

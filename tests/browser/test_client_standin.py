@@ -10,10 +10,13 @@ shows at once.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+
+from tests.clients.standin import StandIn, word_text
 
 from .helpers import (
     answer_text,
@@ -24,7 +27,6 @@ from .helpers import (
     wait_done,
     wait_seq,
 )
-from .standin import StandIn, word_text
 
 
 def expected(n: int) -> str:
@@ -33,8 +35,8 @@ def expected(n: int) -> str:
 
 @pytest.fixture
 async def standin() -> AsyncIterator[tuple[StandIn, int]]:
-    server = StandIn(token_interval=0.02)
-    port = await server.start()
+    server = StandIn(delay=0.02, default_tokens=50, serve_files=True)
+    port = (await server.start()).port
     yield server, port
     await server.stop()
 
@@ -50,7 +52,7 @@ async def test_refusal_is_readable_and_question_kept(
     await page.keyboard.type("two")
     assert await page.input_value("#input") == "one\ntwo"
     assert await page.locator("li.msg").count() == 0 and not server.received
-    server.refuse_next = {"code": "overloaded", "message": "queue full", "retry_after": 2.5}
+    server.refuse_generate = {"code": "overloaded", "message": "queue full", "retry_after": 2.5}
     await ask(page, "hello?")
     await page.wait_for_selector("#error:not([hidden])")
     error = await page.text_content("#error")
@@ -141,7 +143,7 @@ async def test_async_iterator_and_error_class(page: Any, standin: tuple[StandIn,
     assert out["isError"]
     gens = [m for m in server.received if m["type"] == "generate"]
     assert "session" not in gens[0] and gens[1]["session"] == out["session"]
-    server.refuse_next = {"code": "overloaded", "message": "busy", "retry_after": 4}
+    server.refuse_generate = {"code": "overloaded", "message": "busy", "retry_after": 4}
     err = await page.evaluate(
         """async () => {
         const { WsinferClient, WsinferError } = await import("/static/wsinfer.js");
@@ -153,3 +155,41 @@ async def test_async_iterator_and_error_class(page: Any, standin: tuple[StandIn,
     )
     assert err == {"cls": True, "code": "overloaded", "ra": 4, "ra2": 4, "name": "WsinferError"}
     await asyncio.sleep(0)
+
+
+async def test_a_generate_whose_answer_was_lost_is_resent_with_its_key(
+    page: Any, standin: tuple[StandIn, int]
+) -> None:
+    """Issue 9, bug 2: the server took the generate and the connection dropped
+    before its answer. The page used to re-send it without a key, and a second
+    session started while the first generated unwatched; now the resend
+    carries the same key and the server answers the turn it already started."""
+    server, port = standin
+    server.drop_answers = 1
+    await page.goto(f"http://127.0.0.1:{port}/?max_new_tokens=30")
+    await ask(page, "count")
+    assert await wait_done(page) == "length"
+    assert await answer_text(page) == expected(30)
+    assert len(server.sessions) == 1
+    first, again = server.generates()
+    assert first == again and re.fullmatch(r"[0-9a-f]{32}", first["idempotency_key"])
+
+
+async def test_client_local_codes_are_the_contracts(
+    page: Any, standin: tuple[StandIn, int]
+) -> None:
+    """Issue 9, bug 5: closing mid-turn fails it with `client_closed`, as in Python."""
+    server, port = standin
+    await page.goto(f"http://127.0.0.1:{port}/")
+    out = await page.evaluate(
+        """async () => {
+        const { WsinferClient, ClientErrorCode } = await import("/static/wsinfer.js");
+        const client = new WsinferClient({ storageKey: "codes-test" });
+        const turn = client.generate({ prompt: "a", params: { max_new_tokens: 500 } });
+        await new Promise((ok) => turn.addEventListener("delta", ok, { once: true }));
+        client.close();
+        try { await turn.finished; } catch (e) { return { code: e.code, status: turn.status,
+                                                          table: ClientErrorCode.CLIENT_CLOSED }; }
+        return null; }"""
+    )
+    assert out == {"code": "client_closed", "status": "error", "table": "client_closed"}

@@ -52,7 +52,7 @@ def test_manifest_is_a_publishable_es_module() -> None:
     assert m["type"] == "module" and "private" not in m
     assert m["exports"]["."] == {"types": "./wsinfer.d.ts", "default": "./wsinfer.js"}
     assert m["types"] == "./wsinfer.d.ts" and m["license"] == "Apache-2.0"
-    for name in ("wsinfer.js", "wsinfer.d.ts", "README.md", "LICENSE"):
+    for name in ("wsinfer.js", "wsinfer.d.ts", "contract.js", "README.md", "LICENSE"):
         assert name in m["files"] and (PKG / name).is_file()
 
 
@@ -66,7 +66,14 @@ def test_npm_pack(tmp_path: Path) -> None:
         assert packed is not None and packed.read() == (PKG / "wsinfer.js").read_bytes()
     assert names == [
         f"package/{n}"
-        for n in ("LICENSE", "README.md", "package.json", "wsinfer.d.ts", "wsinfer.js")
+        for n in (
+            "LICENSE",
+            "README.md",
+            "contract.js",
+            "package.json",
+            "wsinfer.d.ts",
+            "wsinfer.js",
+        )
     ]
 
 

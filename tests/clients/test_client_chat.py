@@ -87,7 +87,8 @@ async def test_new_session_and_unknown_command(fake_server: Any) -> None:
 
 
 async def test_errors_are_reported_and_the_chat_goes_on(fake_server: Any) -> None:
-    code, out, err = await run_chat(fake_server.url, "BUSY\nok\n", "--max-new-tokens", "1")
+    fake_server.refuse_generate = {"code": "overloaded", "message": "queue full"}
+    code, out, err = await run_chat(fake_server.url, "busy\nok\n", "--max-new-tokens", "1")
     assert code == 0 and out == f"{words(1)}\n"
     assert "overloaded" in err
 

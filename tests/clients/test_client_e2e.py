@@ -10,17 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import subprocess
 import sys
-import threading
-import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
-from tests.stack import port_from_banner
+from tests.stack import start_serve, stop_serve
 from wsinfer.clients import (
     BadRequest,
     Conflict,
@@ -39,60 +35,11 @@ FAST = ReconnectPolicy(max_attempts=20, max_time=30.0, base_delay=0.05, max_dela
 
 
 @pytest.fixture(scope="module")
-def server_port() -> Iterator[int]:
-    from tests.models import tiny_model_dir
-
-    try:
-        model = tiny_model_dir()
-    except RuntimeError as exc:
-        pytest.skip(f"no tiny test model: {exc}")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "wsinfer",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--model",
-            str(model),
-            "--api-key",
-            API_KEY,
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        port = _wait_ready(process)
-        # Keep reading its stdout so that a chatty server never blocks on a full pipe.
-        threading.Thread(target=process.stdout.read, daemon=True).start()  # type: ignore[union-attr]
-        yield port
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
-
-
-def _wait_ready(process: subprocess.Popen[bytes]) -> int:
-    assert process.stdout is not None
-    port = port_from_banner(process.stdout.readline(), "wsinfer serve")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        url = f"http://127.0.0.1:{port}/healthz"
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
-            if r.status == 200:
-                return port
-        time.sleep(0.2)
-    raise TimeoutError("server never became healthy")
+def server_port(tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> Iterator[int]:
+    state = tmp_path_factory.mktemp("serve")
+    process, port = start_serve(state, "--model", tiny_model, "--api-key", API_KEY)
+    yield port
+    assert stop_serve(process) == 0
 
 
 class CutProxy:

@@ -112,10 +112,10 @@ async def test_reconnect_backs_off_through_refused_handshakes(fake_server: Any) 
     fake_server.cut_plan = [2]
     async with connect(fake_server.url, reconnect=FAST) as client:
         turn = await client.start(prompt="x", params={"max_new_tokens": 6})
-        fake_server.refuse_next = 3
+        fake_server.refuse_handshakes = 3
         assert await turn.wait() == words(6)
         assert client.reconnects == 1
-    assert fake_server.refuse_next == 0
+    assert fake_server.refuse_handshakes == 0
 
 
 async def test_many_turns_all_resume_after_one_cut(fake_server: Any) -> None:
@@ -164,8 +164,9 @@ async def test_idle_drop_reconnects_on_the_next_request(fake_server: Any) -> Non
 
 async def test_errors_raise_the_mapped_exception(fake_server: Any) -> None:
     async with connect(fake_server.url) as client:
+        fake_server.refuse_generate = {"code": "overloaded", "retry_after": 1.5}
         with pytest.raises(Overloaded) as overloaded:
-            await client.start(prompt="BUSY")
+            await client.start(prompt="x")
         assert overloaded.value.retry_after == 1.5
         with pytest.raises(BadRequest):
             await client.start(prompt="x", params={"nonsense": 1})
@@ -328,3 +329,45 @@ async def test_close_fails_running_turns(fake_server: Any) -> None:
         await turn.wait()
     with pytest.raises(ClientClosed):
         await client.start(prompt="x")
+
+
+async def test_a_generate_whose_answer_was_lost_is_resent_with_its_key(fake_server: Any) -> None:
+    """Issue 9, bug 2: the server took the generate, the connection dropped
+    before its answer; the resend (same id, same key) gets that turn, not a second one."""
+    fake_server.drop_answers = 1
+    async with connect(fake_server.url, reconnect=FAST) as client:
+        turn = await client.start(prompt="x", params={"max_new_tokens": 6})
+        assert await turn.wait() == words(6)
+    first, again = sent(fake_server, "generate")
+    assert first == again and len(first["idempotency_key"]) == 32
+    assert int(first["idempotency_key"], 16) >= 0
+    assert len(fake_server.sessions) == 1
+    assert [len(s.turns) for s in fake_server.sessions.values()] == [1]
+
+
+async def test_without_reconnect_a_lost_generate_fails(fake_server: Any) -> None:
+    fake_server.drop_answers = 1
+    async with connect(fake_server.url, reconnect=False) as client:
+        with pytest.raises(ConnectionLost) as lost:
+            await client.start(prompt="x")
+    assert lost.value.code == "connection_lost"
+
+
+async def test_status_is_the_servers_word(fake_server: Any) -> None:
+    fake_server.delay = 0.02
+    async with connect(fake_server.url) as client:
+        turn = await client.start(prompt="x", params={"max_new_tokens": 40})
+        assert turn.status == "running"
+        await turn.pause()
+        assert turn.status == "paused"
+        seq = turn.seq
+        await turn.resume()
+        # The resume's answer says queued (the server's word for a resumed
+        # paused turn); its next delta says running.
+        assert turn.status in ("queued", "running")
+        async for _ in turn:
+            if turn.seq > seq:
+                break
+        assert turn.status == "running"
+        await turn.stop()
+        assert turn.status == "done"

@@ -1,8 +1,11 @@
-"""Sans-I/O parts of the client: turn state (dedup), codecs, error mapping."""
+"""Sans-I/O parts of the client: turn state (dedup), the pending table and
+resend policy of ClientProtocol, codecs, error mapping."""
 
 from __future__ import annotations
 
 import json
+import re
+from typing import Any
 
 import msgpack
 import pytest
@@ -16,12 +19,17 @@ from wsinfer.clients.codec import (
     offered_subprotocols,
 )
 from wsinfer.clients.protocol import (
+    ClientProtocol,
     DoneEvent,
+    Refused,
     TextDelta,
+    TurnFailed,
+    TurnStarted,
     TurnState,
     control_request,
     generate_request,
 )
+from wsinfer.contract import TurnStatus
 
 
 def delta(seq: int, text: str, turn: int = 1) -> dict[str, object]:
@@ -164,3 +172,98 @@ def test_backoff_grows_with_jitter_and_is_capped() -> None:
         delays = {policy.delay(attempt) for _ in range(20)}
         assert all(step / 2 <= d <= step for d in delays)
         assert len(delays) > 1  # jittered
+
+
+# --- ClientProtocol: the table of pending requests and the resend policy ----------
+
+
+def _started(core: ClientProtocol, msg: dict[str, Any], status: str = "running") -> TurnState:
+    answer = {"type": "session", "id": msg["id"], "session": "s1", "token": "k", "turn": 1}
+    [event] = core.receive({**answer, "status": status})
+    assert isinstance(event, TurnStarted) and event.waiter == "caller"
+    return event.turn
+
+
+def test_requests_made_offline_wait_for_the_connection() -> None:
+    core = ClientProtocol()
+    msg = core.generate("caller", prompt="hi")
+    assert core.data_to_send() == [] and core.wants_connection()
+    assert core.connection_made() == [msg]
+    assert re.fullmatch(r"[0-9a-f]{32}", msg["idempotency_key"])
+
+
+def test_an_unanswered_generate_is_resent_unchanged_after_a_drop() -> None:
+    core = ClientProtocol()
+    core.connection_made()
+    msg = core.generate("caller", prompt="hi")
+    assert core.data_to_send() == [msg]
+    assert core.connection_lost() == []
+    assert core.connection_made() == [msg]  # same id, same idempotency key
+    turn = _started(core, msg)
+    core.connection_lost()
+    assert [m["type"] for m in core.connection_made()] == ["resume"]
+    assert turn.following
+
+
+def test_without_reconnect_a_drop_fails_what_waits() -> None:
+    core = ClientProtocol(reconnect=False)
+    core.connection_made()
+    core.generate("caller", prompt="hi")
+    [refused] = core.connection_lost()
+    assert isinstance(refused, Refused) and refused.waiter == "caller"
+    assert isinstance(refused.error, errors.ConnectionLost)
+    assert refused.error.code == "connection_lost"
+
+
+def test_rejoin_repeats_stop_then_resume_then_pause() -> None:
+    core = ClientProtocol()
+    core.connection_made()
+    turn = _started(core, core.generate("caller", prompt="hi"))
+    core.receive({"type": "delta", "session": "s1", "turn": 1, "seq": 3, "text": "abc"})
+    core.pause(turn, "pause-ack")
+    core.data_to_send()
+    core.connection_lost()
+    resent = core.connection_made()
+    assert [(m["type"], m.get("after")) for m in resent] == [("resume", 3), ("pause", None)]
+    core.stop(turn, "stop-ack")
+    core.connection_lost()
+    assert [m["type"] for m in core.connection_made()] == ["stop", "resume"]
+
+
+def test_a_confirmed_pause_is_not_resumed_by_a_reconnect() -> None:
+    core = ClientProtocol()
+    core.connection_made()
+    turn = _started(core, core.generate("caller", prompt="hi"))
+    core.pause(turn)
+    core.receive({"type": "paused", "session": "s1", "turn": 1, "seq": 0})
+    assert turn.paused and not turn.live and not core.wants_connection()
+    core.connection_lost()
+    assert core.connection_made() == []
+
+
+def test_status_comes_from_the_session_answer() -> None:
+    core = ClientProtocol()
+    core.connection_made()
+    turn = _started(core, core.generate("caller", prompt="hi"), status="queued")
+    assert turn.status is TurnStatus.QUEUED
+    core.receive({"type": "delta", "session": "s1", "turn": 1, "seq": 1, "text": "a"})
+    assert turn.status is TurnStatus.RUNNING
+
+
+def test_a_refused_resume_fails_the_turn() -> None:
+    core = ClientProtocol()
+    core.connection_made()
+    turn = core.attach("s9", "k", None, 0)
+    core.resume(turn, "ack")
+    [resume] = core.data_to_send()
+    events = core.receive({"type": "error", "id": resume["id"], "code": "not_found"})
+    assert [type(e) for e in events] == [Refused, TurnFailed]
+    assert turn.finished and "s9" not in core.turns
+
+
+def test_close_is_kept_until_it_can_be_sent() -> None:
+    core = ClientProtocol()
+    core.tokens["s1"] = "k"
+    core.close_session("s1")
+    assert core.wants_connection()
+    assert core.connection_made() == [{"type": "close", "session": "s1", "token": "k"}]

@@ -27,8 +27,9 @@ def test_generate_is_an_iterator_of_str(threaded_server: Any) -> None:
 
 def test_errors_raise_from_the_call(threaded_server: Any) -> None:
     with sync.connect(threaded_server.url, codec="json") as client:
+        threaded_server.refuse_generate = {"code": "overloaded", "retry_after": 1.5}
         with pytest.raises(Overloaded):
-            client.generate(prompt="BUSY")
+            client.generate(prompt="x")
         with pytest.raises(NotFound):
             client.generate(prompt="x", session="nope", token="nope")
 
@@ -38,10 +39,10 @@ def test_turn_controls_and_reconnect(threaded_server: Any) -> None:
     with sync.connect(threaded_server.url, reconnect=FAST) as client:
         turn = client.start(prompt="x", params={"max_new_tokens": 30})
         seq = turn.pause()
-        assert turn.seq == seq
+        assert turn.seq == seq and turn.status == "paused"
         turn.resume()
         assert "".join(turn) == words(30) == turn.text
-        assert (turn.finish_reason, turn.turn) == ("length", 1)
+        assert (turn.finish_reason, turn.turn, turn.status) == ("length", 1, "done")
         assert turn.usage is not None and turn.usage.completion_tokens == 30
         more = client.start(prompt="y", session=turn.session, params={"max_new_tokens": 500})
         assert more.stop() == "cancelled"

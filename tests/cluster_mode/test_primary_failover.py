@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.cluster import LocalCluster, needs_cluster_tools
-from tests.stack import Client, joined
+from tests.stack import Client, joined, start_frontend
 from tests.wsinfer.test_server_e2e import PROMPT
 from wsinfer.fanin_cluster import ClusterFanIn
-from wsinfer.server import Frontend, FrontendConfig
+from wsinfer.server import Frontend
 from wsinfer.sessions import keys
 
 pytestmark = needs_cluster_tools
@@ -22,8 +22,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 300}
 
 @pytest.fixture
 async def frontend(redis_url: str, engine: object) -> AsyncIterator[Frontend]:
-    frontend = Frontend(FrontendConfig(port=0, redis_url=redis_url, touch_interval_s=0.3))
-    await frontend.start()
+    frontend = await start_frontend(redis_url)
     yield frontend
     await frontend.stop()
 

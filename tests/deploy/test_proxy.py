@@ -17,19 +17,11 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.deploy.nginx import NginxProxy, free_port
-from tests.models import tiny_model_dir
 from tests.stack import Client, Stack, joined
 
 pytestmark = pytest.mark.skipif(shutil.which("nginx") is None, reason="needs nginx")
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
 GREEDY = {"temperature": 0, "max_new_tokens": 300}
-
-
-@pytest.fixture
-def stack(redis_url: str) -> Iterator[Stack]:
-    stack = Stack(redis_url, str(tiny_model_dir()))
-    yield stack
-    stack.stop()
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.engine.conftest import run_all, text_of, tokens_of
+from wsinfer.contract import ErrorCode
 from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest, RequestOutput
 from wsinfer.engine.model import LoadedModel
 from wsinfer.engine.prompts import render_chat
@@ -150,6 +151,7 @@ def test_prompt_too_long_is_an_error(tiny: LoadedModel) -> None:
     assert len(outs["long"]) == 1
     err = outs["long"][0]
     assert err.finished and err.finish_reason == "error" and err.error
+    assert err.error.code is ErrorCode.TOO_LARGE  # chosen here, by type, not by its words
     assert outs["ok"][-1].finish_reason == "length"
 
 
@@ -366,7 +368,8 @@ def test_a_failing_forward_ends_its_requests_and_the_engine_recovers(
     monkeypatch.setattr(core.model, "forward", broken)
     outs = core.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "error")]
-    assert outs[0].error and "out of memory" in outs[0].error
+    assert outs[0].error and "out of memory" in outs[0].error.message
+    assert outs[0].error.code is ErrorCode.INTERNAL
     monkeypatch.setattr(core.model, "forward", original)
     core.add(request("b", [5, 6, 7]))
     assert tokens_of(run_all(core)["b"]) == reference_greedy(tiny, [5, 6, 7], 12)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
 
-from tests.models import tiny_model_dir
-from tests.stack import Client, Stack, joined
-from wsinfer.server import Frontend, FrontendConfig
+from tests.stack import Client, Stack, joined, start_frontend
+from wsinfer.server import Frontend
 from wsinfer.sessions import keys
 
 PROMPT = [{"role": "user", "content": "Write a very long poem about the sea."}]
@@ -22,16 +21,8 @@ LONG_LEASE = ("--lease-ms", "120000")  # a takeover by lease expiry would take 2
 
 
 @pytest.fixture
-def stack(redis_url: str) -> Iterator[Stack]:
-    stack = Stack(redis_url, str(tiny_model_dir()))
-    yield stack
-    stack.stop()
-
-
-@pytest.fixture
 async def frontend(redis_url: str) -> AsyncIterator[Frontend]:
-    frontend = Frontend(FrontendConfig(port=0, redis_url=redis_url, touch_interval_s=0.3))
-    await frontend.start()
+    frontend = await start_frontend(redis_url)
     yield frontend
     await frontend.stop()
 

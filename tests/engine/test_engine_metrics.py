@@ -13,9 +13,9 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.stack import Client, Logged, joined, wait_for_engine
+from tests.stack import Client, Logged, joined, start_frontend, wait_for_engine
 from wsinfer.engine.metrics import EngineMetrics
-from wsinfer.server import Frontend, FrontendConfig
+from wsinfer.server import Frontend
 from wsinfer.sessions import keys
 
 
@@ -42,8 +42,7 @@ def start_engine(folder: Path, redis_url: str, name: str, rate: str) -> tuple[Lo
 
 @pytest.fixture
 async def frontend(redis_url: str) -> AsyncIterator[Frontend]:
-    frontend = Frontend(FrontendConfig(port=0, redis_url=redis_url, touch_interval_s=0.3))
-    await frontend.start()
+    frontend = await start_frontend(redis_url)
     yield frontend
     await asyncio.wait_for(frontend.stop(), 30)  # a hang here is a bug, not a slow machine
 

@@ -5,14 +5,13 @@ client sees the same text as an uninterrupted run, with no gap or repeat."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
 
-from tests.models import tiny_model_dir
-from tests.stack import Client, Stack, joined
-from wsinfer.server import Frontend, FrontendConfig
+from tests.stack import Client, Stack, joined, start_frontend
+from wsinfer.server import Frontend
 from wsinfer.sessions import keys
 
 PROMPT = [{"role": "user", "content": "Write a very long poem about the sea."}]
@@ -20,16 +19,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 400}
 
 
 @pytest.fixture
-def stack(redis_url: str) -> Iterator[Stack]:
-    stack = Stack(redis_url, str(tiny_model_dir()))
-    yield stack
-    stack.stop()
-
-
-@pytest.fixture
 async def frontend(redis_url: str) -> AsyncIterator[Frontend]:
-    frontend = Frontend(FrontendConfig(port=0, redis_url=redis_url, touch_interval_s=0.3))
-    await frontend.start()
+    frontend = await start_frontend(redis_url)
     yield frontend
     await frontend.stop()
 

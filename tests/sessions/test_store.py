@@ -58,7 +58,7 @@ async def test_create_queues_work_and_hides_the_token(
     assert token.encode() not in redis_client.hget(keys.meta(session), "token")
     item, claimed = _claim_next(worker)
     assert item.request.session == session and claimed is not None
-    assert claimed.epoch == 1 and claimed.meta["status"] == "running"
+    assert claimed.epoch == 1 and claimed.meta.status == "running"
 
 
 async def test_wrong_token_and_unknown_session_are_not_found(store: SessionStore) -> None:
@@ -107,8 +107,10 @@ async def test_pause_resume_of_a_running_turn(store: SessionStore, worker: Worke
     _, claimed = _claim_next(worker)
     result = await store.control(session, token, 1, "pause")
     assert result.effect == "control:pause" and result.status == "running"
+    events = [DeltaEvent(3, "abc", [1, 2, 3]), PausedEvent(3)]
+    stopped = DoneEvent(3, "cancelled", Usage(0, 3))
     outcome = worker.publish_many(
-        [Publish(session, 1, claimed.epoch, 3, [DeltaEvent(3, "abc", [1, 2, 3]), PausedEvent(3)])]
+        [Publish(session, 1, claimed.epoch, 3, events, if_stopped=stopped)]
     )
     assert outcome[0].outcome == "ok" and outcome[0].control == ""
     assert (await store.info(session, token)).status == "paused"
@@ -152,9 +154,10 @@ async def test_leases_renewed_are_not_taken_over(
 ) -> None:
     await store.create(CHAT)
     item, _ = _claim_next(worker)
-    worker.renew_leases([item])
+    time.sleep(0.3)  # the entry has been idle longer than the lease below...
+    worker.renew_leases([item])  # ...until its engine renews it
     other = WorkerStore(redis_client, "engine-b")
-    assert other.take_over_expired(min_idle_ms=5_000, count=10) == []
+    assert other.take_over_expired(min_idle_ms=200, count=10) == []
 
 
 async def test_close_deletes_everything_and_the_engine_notices(
@@ -184,7 +187,7 @@ async def test_history_rebuilds_chat_and_text_sessions(
 ) -> None:
     session, token = await store.create(CHAT)
     _, claimed = _claim_next(worker)
-    worker.save_prompt(session, 1, [5, 6])
+    worker.save_prompt(claimed, [5, 6])
     worker.publish_many(
         [
             Publish(
@@ -211,7 +214,7 @@ async def test_history_rebuilds_chat_and_text_sessions(
 
     text_session, text_token = await store.create(TEXT)
     _, claimed = _claim_next(worker)
-    worker.save_prompt(text_session, 1, [9])
+    worker.save_prompt(claimed, [9])
     worker.publish_many(
         [
             Publish(
@@ -268,6 +271,7 @@ async def test_a_stop_that_meets_the_engines_pause_still_cancels_the_turn(
                 2,
                 [DeltaEvent(2, "ab", [1, 2]), PausedEvent(2)],
                 {"prompt_tokens": 7, "cached_tokens": 5},
+                if_stopped=DoneEvent(2, "cancelled", Usage(7, 2, 5)),
             )
         ]
     )
@@ -286,7 +290,10 @@ async def test_an_engine_pause_without_a_pending_stop_stays_paused(
     session, token = await store.create(CHAT)
     _, claimed = _claim_next(worker)
     await store.control(session, token, 1, "pause")
-    worker.publish_many([Publish(session, 1, claimed.epoch, 1, [PausedEvent(1)])])
+    stopped = DoneEvent(1, "cancelled", Usage(0, 1))
+    worker.publish_many(
+        [Publish(session, 1, claimed.epoch, 1, [PausedEvent(1)], if_stopped=stopped)]
+    )
     assert (await store.info(session, token)).status == "paused"
     events, _ = await store.read_turn(session, 1)
     assert events == [PausedEvent(1)]
@@ -413,3 +420,69 @@ async def test_release_requeues_a_running_turn_for_any_engine(
     worker.release([(again, claimed.epoch)])
     assert redis_client.xpending(keys.REQUESTS, keys.ENGINE_GROUP)["pending"] == 1
     assert (await store.info(session, token)).status == "running"
+
+
+async def test_a_session_keeps_the_ttl_it_was_created_with(
+    aredis: aioredis.Redis, redis_client: redis.Redis
+) -> None:
+    # The engine's and another frontend's own settings (the default hour) must
+    # not stretch a 60 s session: every write renews it with its own TTL.
+    store = SessionStore(aredis, ttl_s=60)
+    session, token = await store.create(CHAT)
+    engine = WorkerStore(redis_client, "engine-a")
+    engine.ensure_group()
+    _, claimed = _claim_next(engine)
+    engine.save_prompt(claimed, [5, 6])
+    delta = Publish(session, 1, claimed.epoch, 1, [DeltaEvent(1, "a", [7])])
+    assert engine.publish_many([delta])[0].outcome == "ok"
+    await SessionStore(aredis).touch({session: 1})
+    await SessionStore(aredis).control(session, token, 1, "stop")
+    ttls = [redis_client.ttl(key) for key in redis_client.keys(f"*{session}*")]
+    assert len(ttls) == 4 and all(0 < ttl <= 60 for ttl in ttls)
+
+
+async def test_a_stop_or_close_retries_when_the_engine_moved_on(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    # The cancelled done is encoded from the meta read just before the
+    # script: counters changed in between make the script refuse, and the
+    # store reads again, so the done never carries a stale seq.
+    session, token = await store.create(CHAT)
+    _, claimed = _claim_next(worker)
+    worker.publish_many([Publish(session, 1, claimed.epoch, 2, [DeltaEvent(2, "ab", [1, 2])])])
+    read = store.info
+
+    async def racing_info(session: str, token: str):  # type: ignore[no-untyped-def]
+        info = await read(session, token)
+        if info.seq == 2:  # the engine publishes right after this read
+            more = Publish(session, 1, claimed.epoch, 3, [DeltaEvent(3, "c", [3])])
+            worker.publish_many([more])
+        return info
+
+    store.info = racing_info  # type: ignore[method-assign]
+    await store.close(session, token)
+    events, _ = await store.read_turn(session, 1)
+    assert [e.seq for e in events] == [2, 3, 3] and isinstance(events[-1], DoneEvent)
+    assert events[-1].usage.completion_tokens == 3
+
+
+def test_the_scripts_use_only_the_meta_fields_of_the_record() -> None:
+    import re
+
+    from wsinfer.sessions import scripts
+    from wsinfer.sessions.schema import SessionMeta
+
+    lua = "".join(v for k, v in vars(scripts).items() if k.isupper())
+    named = set(re.findall(r"'(\w+)'", lua)) - _LUA_WORDS
+    assert named <= set(SessionMeta.__dataclass_fields__), named - set(
+        SessionMeta.__dataclass_fields__
+    )
+    assert "cmsgpack" not in lua  # events come encoded by schema.pack
+
+
+_LUA_WORDS = {
+    "HGET", "HSET", "HINCRBY", "HGETALL", "EXISTS", "EXPIRE", "DEL", "SET", "EX", "XADD",
+    "SPUBLISH", "ok", "not_found", "illegal", "stale", "fenced", "gap", "moved", "mode",
+    "exists", "new", "done", "stop", "repeat", "m", "control:", "done_cancelled", "paused",
+    "requeue", "1",
+}  # fmt: skip

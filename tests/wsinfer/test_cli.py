@@ -95,4 +95,9 @@ def test_numeric_environment_values_are_read(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("WSINFER_IDLE_PAUSE", "2.5")
     monkeypatch.setenv("WSINFER_LEASE_MS", "500")
     config, _ = engine_configs(engine_args())
-    assert (config.idle_pause_s, config.lease_ms) == (2.5, 500)
+    assert (config.idle_pause_s, config.lease_ms, config.session_ttl_s) == (2.5, 500, 120)
+
+
+def test_serve_hands_its_engine_its_session_ttl() -> None:
+    serve = build_parser().parse_args(["serve", "--session-ttl", "60"])
+    assert engine_configs(engine_args(*_engine_argv(serve)))[0].session_ttl_s == 60

@@ -1,42 +1,27 @@
 """The frontend's /metrics: what operators asked for, consistent at every scrape,
-with a real fake-core engine process, real Redis and real sockets."""
+with a real engine process (the module's), real Redis and real sockets."""
 
 from __future__ import annotations
 
 import asyncio
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from tests.stack import Client, Logged, joined, wait_for_engine
-from wsinfer.server import Frontend, FrontendConfig
+from tests.stack import Client, Stack, joined, start_frontend
+from wsinfer.server import Frontend
 
 KEY = "k1"
 
 
 @pytest.fixture
-def engine(tmp_path: Path, redis_url: str) -> Iterator[Logged]:
-    engine = Logged.spawn(
-        tmp_path, "engine", "engine", "--model", "fake:100", "--engine-id", "e1",
-        "--redis-url", redis_url, "--log-level", "warning",
-    )  # fmt: skip
-    wait_for_engine(redis_url, "e1", engine.process)
-    yield engine
-    engine.stop()
-
-
-@pytest.fixture
-async def frontend(redis_url: str, engine: Logged) -> AsyncIterator[Frontend]:
-    config = FrontendConfig(
-        port=0, redis_url=redis_url, touch_interval_s=0.2, api_keys=frozenset({KEY})
-    )
-    frontend = Frontend(config)
-    await frontend.start()
+async def frontend(engine_stack: Stack) -> AsyncIterator[Frontend]:
+    settings = {"touch_interval_s": 0.2, "api_keys": frozenset({KEY})}
+    frontend = await start_frontend(engine_stack.redis_url, **settings)
     yield frontend
     await frontend.stop()
 

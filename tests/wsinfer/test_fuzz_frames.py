@@ -14,7 +14,6 @@ import math
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -23,7 +22,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import ClientConnection, connect
 
-from tests.models import tiny_model_dir
 from tests.stack import Stack
 
 FRAMES = int(os.environ.get("WSINFER_FUZZ_FRAMES", "20000"))
@@ -167,18 +165,6 @@ def encode(codec: str, kind: str, value: Any) -> str | bytes:
 
 
 # --- the test ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> str:
-    return str(tiny_model_dir())
-
-
-@pytest.fixture
-def stack(redis_url: str, tiny_model: str) -> Iterator[Stack]:
-    stack = Stack(redis_url, tiny_model)
-    yield stack
-    stack.stop()
 
 
 def open_ws(port: int, codec: str) -> ClientConnection:

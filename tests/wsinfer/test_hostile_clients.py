@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -20,29 +20,16 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from tests.models import tiny_model_dir
-from tests.stack import Client, Stack, port_from_banner
+from tests.stack import Client, Stack, port_from_banner, start_frontend
 from tests.wsinfer.test_load import rss_kib
-from tests.wsinfer.test_server_e2e import http_get, start_frontend
-from wsinfer.handlers import MAX_FOLLOWED_PER_CONNECTION
+from tests.wsinfer.test_server_e2e import http_get
+from wsinfer.protocol import MAX_FOLLOWED_PER_CONNECTION
 from wsinfer.server import Frontend
 from wsinfer.sessions.schema import DeltaEvent, GenerationParams
 from wsinfer.sessions.store import SessionStore, TurnInput
 from wsinfer.sessions.worker import Publish, WorkerStore
 
 PROMPT = TurnInput("text", None, "Once upon a time", GenerationParams(temperature=0))
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> str:
-    return str(tiny_model_dir())
-
-
-@pytest.fixture
-def stack(redis_url: str, tiny_model: str) -> Iterator[Stack]:
-    stack = Stack(redis_url, tiny_model)
-    yield stack
-    stack.stop()
 
 
 @pytest.fixture
@@ -209,13 +196,16 @@ async def test_resume_counts_against_the_sessions_per_connection_limit(
     client = await Client.open(frontend.port)
     for i, (session, token) in enumerate(sessions):
         await client.send(type="resume", id=i, session=session, token=token)
-    # Queued turns replay nothing: the only answers are refusals.
-    refused = await client.recv(timeout=10)
+    # Queued turns replay nothing: the answers are `session`s, then one refusal.
+    answers = await client.until("error", timeout=10)
+    assert [a["id"] for a in answers[:-1]] == list(range(MAX_FOLLOWED_PER_CONNECTION))
+    refused = answers[-1]
     assert (refused["code"], refused["id"]) == ("overloaded", MAX_FOLLOWED_PER_CONNECTION)
     (session, token) = sessions[0]
     await client.send(type="resume", id="again", session=session, token=token)  # already followed
     await client.send(type="pause", id="p", session=sessions[-1][0], token=sessions[-1][1])
-    refused = await client.recv(timeout=10)
+    again, refused = await client.recv(timeout=10), await client.recv(timeout=10)
+    assert (again["type"], again["id"]) == ("session", "again")
     assert (refused["code"], refused["id"]) == ("overloaded", "p")
     await client.close()
 
@@ -226,6 +216,7 @@ async def test_a_follower_of_a_session_closed_elsewhere_gets_done(
     ((session, token),) = await queued_sessions(aredis, 1)
     owner, follower = await Client.open(frontend.port), await Client.open(frontend.port)
     await follower.send(type="resume", session=session, token=token)
+    assert (await follower.recv(timeout=10))["type"] == "session"
     await asyncio.sleep(0.3)
     await owner.send(type="close", session=session, token=token)
     done = await follower.recv(timeout=10)
@@ -240,6 +231,7 @@ async def test_a_follower_of_a_session_that_vanished_is_told(
     ((session, token),) = await queued_sessions(aredis, 1)
     follower = await Client.open(frontend.port)
     await follower.send(type="resume", session=session, token=token)
+    assert (await follower.recv(timeout=10))["type"] == "session"
     await asyncio.sleep(0.3)
     await aredis.flushall()  # what a Redis restarted without persistence looks like
     done = await follower.recv(timeout=10)

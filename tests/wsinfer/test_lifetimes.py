@@ -10,28 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterator
 
 import pytest
 import redis
 
-from tests.models import tiny_model_dir
 from tests.stack import Client, Stack
 
 TTL = 3
 SHORT = {"temperature": 0, "max_new_tokens": 3}
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> str:
-    return str(tiny_model_dir())
-
-
-@pytest.fixture
-def stack(redis_url: str, tiny_model: str) -> Iterator[Stack]:
-    stack = Stack(redis_url, tiny_model)
-    yield stack
-    stack.stop()
 
 
 def keys_without_expiry(client: redis.Redis) -> list[bytes]:

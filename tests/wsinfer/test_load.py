@@ -8,29 +8,15 @@ import asyncio
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.models import tiny_model_dir
 from tests.stack import Client, Stack
 
 SESSIONS = int(os.environ.get("WSINFER_LOAD_SESSIONS", "1000"))
 # Short turns keep CI time sane; the point is the number in flight at once.
 PARAMS = {"temperature": 0, "max_new_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> str:
-    return str(tiny_model_dir())
-
-
-@pytest.fixture
-def stack(redis_url: str, tiny_model: str) -> Iterator[Stack]:
-    stack = Stack(redis_url, tiny_model)
-    yield stack
-    stack.stop()
 
 
 def rss_kib(pid: int) -> int:

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import msgpack
 import pytest
 
+from wsinfer.commands import Admit, Admitted, StartTurn, Subscribe, TurnStarted
+from wsinfer.contract import ClientMessageType, ErrorCode, TurnStatus
 from wsinfer.errors import Conflict, Overloaded
 from wsinfer.messages import Generate, JsonCodec, Limits, MsgpackCodec, Resume, SessionCommand
 from wsinfer.protocol import ConnectionProtocol
-from wsinfer.sessions.schema import DeltaEvent, DoneEvent, PausedEvent, Usage
+from wsinfer.sessions.schema import (
+    DeltaEvent,
+    DoneEvent,
+    GenerationParams,
+    PausedEvent,
+    TurnError,
+    Usage,
+)
 
 
 def sent(proto: ConnectionProtocol) -> list[dict[str, Any]]:
@@ -61,6 +72,17 @@ def test_generate_is_parsed_with_params() -> None:
         ),
         ('{"type": "generate", "prompt": "a", "extra": 1}', "bad_request", None),
         ('{"type": "stop", "id": 3, "session": "s"}', "bad_request", 3),
+        ('{"type": "generate", "prompt": "a", "idempotency_key": "short"}', "bad_request", None),
+        (
+            '{"type": "generate", "prompt": "a", "idempotency_key": 1234567890123456}',
+            "bad_request",
+            None,
+        ),
+        (
+            '{"type": "generate", "prompt": "a", "idempotency_key": "' + "k" * 129 + '"}',
+            "bad_request",
+            None,
+        ),
         ('{"type": "resume", "session": "s", "token": "t", "after": -1}', "bad_request", None),
         ('{"type": "resume", "session": "s", "token": "t", "turn": 0}', "bad_request", None),
         ('{"type": "generate", "prompt": "' + "x" * 101 + '"}', "too_large", None),
@@ -86,6 +108,13 @@ def test_bad_messages_get_an_error_and_the_connection_stays_usable(
     assert isinstance(ok, SessionCommand)
 
 
+def test_an_idempotency_key_is_16_to_128_characters() -> None:
+    proto = json_proto()
+    for key in ("k" * 16, "k" * 128):
+        msg = proto.receive(json.dumps({"type": "generate", "prompt": "a", "idempotency_key": key}))
+        assert isinstance(msg, Generate) and msg.idempotency_key == key
+
+
 def test_msgpack_codec_and_frame_kind_mismatch() -> None:
     proto = ConnectionProtocol(MsgpackCodec())
     msg = proto.receive(msgpack.packb({"type": "resume", "session": "s", "token": "t", "after": 4}))
@@ -99,11 +128,24 @@ def test_msgpack_codec_and_frame_kind_mismatch() -> None:
 
 def test_accepted_then_deltas_are_sent_once_in_order() -> None:
     proto = json_proto()
-    proto.accepted("a", "s1", "tok", 1)
+    request = Generate("a", None, "hi", GenerationParams.parse(None))
+    plan = proto.plan(request)
+    assert plan.start() == Admit()
+    assert plan.send(Admitted(frozenset({"e1"}))) == StartTurn(request, frozenset({"e1"}))
+    started = TurnStarted("s1", "tok", 1, TurnStatus.QUEUED)
+    assert plan.send(started) == Subscribe("s1", 1, "0-0")
+    assert plan.send(None) is None
     proto.deliver("s1", 1, [DeltaEvent(1, "He", [1]), DeltaEvent(2, "llo", [2])])
     proto.deliver("s1", 1, [DeltaEvent(2, "llo", [2]), DeltaEvent(3, "!", [3])])  # dup of 2
     messages = sent(proto)
-    assert messages[0] == {"type": "session", "session": "s1", "token": "tok", "turn": 1, "id": "a"}
+    assert messages[0] == {
+        "type": "session",
+        "session": "s1",
+        "token": "tok",
+        "turn": 1,
+        "status": "queued",
+        "id": "a",
+    }
     # A lagging connection gets one merged delta per run.
     assert messages[1] == {"type": "delta", "session": "s1", "turn": 1, "seq": 3, "text": "Hello!"}
 
@@ -167,7 +209,7 @@ def test_events_of_another_turn_are_ignored() -> None:
 def test_done_with_error_carries_it() -> None:
     proto = json_proto()
     proto.follow("s", 1, after=0)
-    proto.deliver("s", 1, [DoneEvent(0, "error", Usage(), {"code": "too_large", "message": "m"})])
+    proto.deliver("s", 1, [DoneEvent(0, "error", Usage(), TurnError(ErrorCode.TOO_LARGE, "m"))])
     (done,) = sent(proto)
     assert done["finish_reason"] == "error" and done["error"]["code"] == "too_large"
 
@@ -186,3 +228,24 @@ def test_fail_carries_retry_after_session_and_id() -> None:
         "id": "q",
     }
     assert second["code"] == "conflict" and "id" not in second
+
+
+def test_the_protocol_imports_no_redis() -> None:
+    """Sans I/O means no I/O library either: errors.py once pulled in
+    redis.asyncio (through the outage test), and with it the store."""
+    code = (
+        "import sys, wsinfer.protocol, wsinfer.commands, wsinfer.errors\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('redis', 'websockets')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("wait", "retry_after"), [(1e-6, 0.001), (0.0421, 0.043), (0.05, 0.05)])
+def test_a_request_too_fast_is_told_when_to_retry_never_at_once(
+    wait: float, retry_after: float
+) -> None:
+    proto = json_proto()
+    proto.too_fast(SessionCommand(ClientMessageType.STOP, 4, "s", "t"), wait)
+    (error,) = sent(proto)
+    assert (error["code"], error["retry_after"], error["id"]) == ("overloaded", retry_after, 4)

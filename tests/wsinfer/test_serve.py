@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.models import default_model_available, tiny_model_dir
-from tests.stack import Client, joined, port_from_banner
+from tests.stack import Client, joined, start_serve, stop_serve
 
 
 def children_of(pid: int) -> list[int]:
@@ -45,23 +44,6 @@ def wait_gone(pids: list[int], timeout: float = 20) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def start_serve(state: Path, *args: str) -> tuple[subprocess.Popen[str], int]:
-    """``wsinfer serve`` keeping its state dir (private Redis) under ``state``: a serve
-    killed with -9 cannot remove it, and tests leave nothing behind in /tmp."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "wsinfer", "serve", "--port", "0", "--log-level", "warning", *args],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(state)},
-    )
-    assert process.stdout is not None
-    try:
-        return process, port_from_banner(process.stdout.readline(), "serve")
-    except RuntimeError:
-        process.kill()
-        raise
-
-
 @pytest.fixture
 def tiny_serve(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
     process, port = start_serve(tmp_path, "--model", str(tiny_model_dir()))
@@ -86,8 +68,7 @@ async def test_the_real_model_answers_a_factual_question(tmp_path: Path) -> None
         assert messages[-1]["finish_reason"] == "stop"  # ended by <|im_end|>, not the limit
         await client.close()
     finally:
-        process.send_signal(signal.SIGINT)
-        assert process.wait(30) == 0
+        assert stop_serve(process) == 0
 
 
 async def test_ctrl_c_stops_redis_and_the_engine(

@@ -7,54 +7,45 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import msgpack
 import pytest
+import redis
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 
-from tests.models import tiny_model_dir
-from tests.stack import Client, Stack, joined
-from wsinfer.server import Frontend, FrontendConfig
+from tests.stack import Client, Stack, joined, start_frontend
+from wsinfer.server import Frontend
+from wsinfer.sessions import keys
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
 GREEDY = {"temperature": 0, "max_new_tokens": 120}
 
 
-@pytest.fixture(scope="session")
-def tiny_model() -> str:
-    return str(tiny_model_dir())
-
-
 @pytest.fixture
-def stack(redis_url: str, tiny_model: str) -> Iterator[Stack]:
-    stack = Stack(redis_url, tiny_model)
-    yield stack
-    stack.stop()
-
-
-@pytest.fixture
-def engine(stack: Stack, request: pytest.FixtureRequest) -> Any:
-    # Tests marked idle_pause get a short idle limit; the frontend fixture
-    # touches watched sessions every 0.3 s, so attached turns never hit it.
+def stack(request: pytest.FixtureRequest, tiny_model: str) -> Iterator[Stack]:
+    """The module's engine; a test marked idle_pause gets an engine of its own with
+    that idle limit, on a Redis of its own. The frontend fixture touches watched
+    sessions every 0.3 s, so attached turns never hit the limit."""
     marker = request.node.get_closest_marker("idle_pause")
-    extra = ["--idle-pause", str(marker.args[0])] if marker else []
-    return stack.start_engine("engine-1", *extra)
-
-
-async def start_frontend(redis_url: str, **overrides: Any) -> Frontend:
-    config = FrontendConfig(port=0, redis_url=redis_url, touch_interval_s=0.3, **overrides)
-    frontend = Frontend(config)
-    await frontend.start()
-    return frontend
+    if marker is None:
+        yield request.getfixturevalue("engine_stack")
+        return
+    stack = Stack(request.getfixturevalue("redis_url"), tiny_model)
+    try:
+        stack.start_engine("engine-1", "--idle-pause", str(marker.args[0]))
+        yield stack
+    finally:
+        stack.stop()
 
 
 @pytest.fixture
-async def frontend(redis_url: str, engine: Any) -> AsyncIterator[Frontend]:
-    frontend = await start_frontend(redis_url)
+async def frontend(stack: Stack) -> AsyncIterator[Frontend]:
+    frontend = await start_frontend(stack.redis_url)
     yield frontend
     await frontend.stop()
 
@@ -128,9 +119,7 @@ async def test_resume_after_cuts_at_random_points_loses_and_repeats_nothing(
         assert text == reference
 
 
-async def test_a_frontend_killed_mid_turn_loses_nothing(
-    stack: Stack, engine: Any, frontend: Frontend
-) -> None:
+async def test_a_frontend_killed_mid_turn_loses_nothing(stack: Stack, frontend: Frontend) -> None:
     reference, _ = await run_turn(frontend.port)
     first, port = stack.start_frontend()
     client = await Client.open(port)
@@ -190,7 +179,9 @@ async def test_pause_then_resume_continues_the_same_text(frontend: Frontend) -> 
 
 async def test_multi_turn_and_conflict_while_running(frontend: Frontend) -> None:
     client = await Client.open(frontend.port)
-    await client.send(type="generate", messages=PROMPT, params={"max_new_tokens": 400})
+    # Greedy: sampling is ~4x slower per token on CPU, and not what this checks.
+    long_turn = {"temperature": 0, "max_new_tokens": 200}
+    await client.send(type="generate", messages=PROMPT, params=long_turn)
     session = await client.recv()
     ids = {"session": session["session"], "token": session["token"]}
     await client.send(type="generate", id="busy", messages=PROMPT, **ids)
@@ -273,19 +264,27 @@ async def test_no_engine_means_engine_unavailable(redis_url: str) -> None:
         await frontend.stop()
 
 
-async def test_overloaded_when_the_queue_is_full(redis_url: str, engine: Any) -> None:
-    frontend = await start_frontend(redis_url, max_queued_turns=0)
+@pytest.mark.parametrize("limit", [0, 2])
+async def test_overloaded_when_the_queue_is_full(redis_url: str, limit: int) -> None:
+    # An engine that is alive (its heartbeat is fresh) but takes no work: the
+    # turns stay queued, so the limit is what refuses the one past it.
+    redis.Redis.from_url(redis_url).zadd(keys.ENGINES, {"engine-busy": time.time()})
+    frontend = await start_frontend(redis_url, max_queued_turns=limit)
     try:
         client = await Client.open(frontend.port)
-        await client.send(type="generate", prompt="hi")
-        assert (await client.recv())["code"] == "overloaded"
+        for n in range(limit):
+            await client.send(type="generate", id=n, prompt="hi")
+            assert (await client.recv())["type"] == "session"
+        await client.send(type="generate", id=limit, prompt="hi")
+        refused = await client.recv()
+        assert (refused["type"], refused["code"], refused["id"]) == ("error", "overloaded", limit)
         await client.close()
     finally:
         await frontend.stop()
 
 
-async def test_api_keys_refuse_at_the_handshake(redis_url: str, engine: Any) -> None:
-    frontend = await start_frontend(redis_url, api_keys=frozenset({"sekrit"}))
+async def test_api_keys_refuse_at_the_handshake(stack: Stack) -> None:
+    frontend = await start_frontend(stack.redis_url, api_keys=frozenset({"sekrit"}))
     url = f"ws://127.0.0.1:{frontend.port}/v1/ws"
     try:
         with pytest.raises(InvalidStatus) as refused:
@@ -307,10 +306,10 @@ async def test_an_unwatched_turn_pauses_after_the_idle_limit(frontend: Frontend)
     client.ws.transport.abort()
     await asyncio.sleep(4)  # idle limit 2 s
     back = await Client.open(frontend.port)
-    await back.send(type="resume", session=session["session"], token=session["token"], after=4000)
+    # A stop attaches it from the current seq: it is told the pause, then the end.
+    await back.send(type="stop", session=session["session"], token=session["token"])
     paused = await back.recv()
     assert paused["type"] == "paused" and 0 < paused["seq"] < 4000
-    await back.send(type="stop", session=session["session"], token=session["token"])
     assert (await back.until("done"))[-1]["finish_reason"] == "cancelled"
     await back.close()
 

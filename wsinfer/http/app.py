@@ -19,7 +19,9 @@ import h11
 import structlog
 from websockets.http11 import Request
 
-from wsinfer.errors import InternalError, to_protocol_error
+from wsinfer.contract import ClientMessageType
+from wsinfer.errors import InternalError
+from wsinfer.handlers import to_protocol_error
 from wsinfer.http.connection import HttpConnection, HttpRequest, HttpResponse
 from wsinfer.http.openai import (
     Completion,
@@ -168,7 +170,7 @@ class HttpApp:
         chat = parse_chat_request(request.body, config.limits, config.model_name, session, token)
         peer = self._open_peer()
         try:
-            await peer.handlers.generate(chat.generate)
+            await peer.handlers.handle(chat.generate)
         except BaseException:
             self._close_peer(peer)
             raise
@@ -246,7 +248,7 @@ class HttpApp:
             raise bad_request("turn must be a positive integer", "turn")
         peer = self._open_peer()
         try:
-            await peer.handlers.resume(Resume(None, session, token, after, turn))
+            await peer.handlers.handle(Resume(None, session, token, after, turn))
         except BaseException:
             self._close_peer(peer)
             raise
@@ -259,10 +261,10 @@ class HttpApp:
         return HttpResponse.json(200, _info_body(info.session, info.turn, info.status, info.seq))
 
     async def delete(self, request: HttpRequest, session: str) -> HttpResponse:
-        command = SessionCommand("close", None, session, _session_token(request))
+        command = SessionCommand(ClientMessageType.CLOSE, None, session, _session_token(request))
         peer = self._open_peer()
         try:
-            await peer.handlers.close(command)
+            await peer.handlers.handle(command)
         finally:
             self._close_peer(peer)
         return HttpResponse.json(200, {"id": session, "object": "session", "deleted": True})
@@ -273,7 +275,8 @@ class HttpApp:
             return await self._unpause(session, token)
         peer = self._open_peer()
         try:
-            await peer.handlers.control(SessionCommand(action, None, session, token))
+            command = SessionCommand(ClientMessageType(action), None, session, token)
+            await peer.handlers.handle(command)
             # A stop ends in done; a pause in paused, or done if the turn ended first.
             # (The replay may show an older pause of a turn resumed since: not the answer.)
             wanted = ("done",) if action == "stop" else ("paused", "done")

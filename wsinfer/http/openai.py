@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from wsinfer.contract import ErrorCode
 from wsinfer.errors import WsinferError
 from wsinfer.messages import Generate, Limits, parse_client_message
 
@@ -96,7 +97,7 @@ class OpenAIError(Exception):
     @classmethod
     def from_wsinfer(cls, exc: WsinferError) -> OpenAIError:
         status = STATUS_BY_CODE.get(exc.code, 500)
-        code = "invalid_api_key" if exc.code == "unauthorized" else exc.code
+        code = "invalid_api_key" if exc.code == ErrorCode.UNAUTHORIZED else exc.code.value
         return cls(status, exc.message, code=code, retry_after=exc.retry_after)
 
 
@@ -317,5 +318,5 @@ def sse_for(completion: Completion, message: dict[str, Any], include_usage: bool
 
 def _as_wsinfer(message: dict[str, Any]) -> WsinferError:
     error = WsinferError(str(message["message"]), retry_after=message.get("retry_after"))
-    error.code = str(message["code"])
+    error.code = ErrorCode(message["code"])
     return error

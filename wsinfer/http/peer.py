@@ -1,9 +1,10 @@
 """One HTTP request's view of a session: the WebSocket connection's parts, minus the socket.
 
-An ``HttpPeer`` owns a ``ConnectionProtocol`` (the exactly-once bookkeeping by
-``seq``, replay, coalescing of a lagging reader) and a ``Handlers`` (every Redis
-operation), exactly as a WebSocket connection does; the HTTP routes read the
-protocol's outgoing messages instead of sending them as frames.
+An ``HttpPeer`` owns a ``ConnectionProtocol`` (every decision of a request, the
+exactly-once bookkeeping by ``seq``, replay, coalescing of a lagging reader)
+and a ``Handlers`` (every Redis operation), exactly as a WebSocket connection
+does; the HTTP routes read the protocol's outgoing messages instead of sending
+them as frames.
 """
 
 from __future__ import annotations

@@ -1,0 +1,54 @@
+// The wire contract's vocabulary, generated from wsinfer/contract.py by
+// `python -m wsinfer.clients.gen_contract`: do not edit by hand.
+
+export const ClientMessageType = Object.freeze({
+  GENERATE: "generate",
+  STOP: "stop",
+  PAUSE: "pause",
+  RESUME: "resume",
+  CLOSE: "close",
+});
+
+export const ServerMessageType = Object.freeze({
+  SESSION: "session",
+  DELTA: "delta",
+  PAUSED: "paused",
+  DONE: "done",
+  ERROR: "error",
+});
+
+export const ErrorCode = Object.freeze({
+  BAD_REQUEST: "bad_request",
+  UNAUTHORIZED: "unauthorized",
+  NOT_FOUND: "not_found",
+  CONFLICT: "conflict",
+  TOO_LARGE: "too_large",
+  OVERLOADED: "overloaded",
+  ENGINE_UNAVAILABLE: "engine_unavailable",
+  INTERNAL: "internal",
+});
+
+export const ClientErrorCode = Object.freeze({
+  CONNECTION_LOST: "connection_lost",
+  CLIENT_CLOSED: "client_closed",
+});
+
+export const FinishReason = Object.freeze({
+  STOP: "stop",
+  LENGTH: "length",
+  CANCELLED: "cancelled",
+  ERROR: "error",
+});
+
+export const TurnStatus = Object.freeze({
+  QUEUED: "queued",
+  RUNNING: "running",
+  PAUSED: "paused",
+  DONE: "done",
+});
+
+export const CloseCode = Object.freeze({
+  SERVICE_RESTART: 1012,
+});
+
+export const IDEMPOTENCY_KEY_HEX = 32;

@@ -1,0 +1,44 @@
+"""The engine process's own rules, without a model: how a turn's end is
+reported, and what the process imports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from wsinfer.contract import ErrorCode
+from wsinfer.engine.lifecycle import RequestOutput
+from wsinfer.engine.process import _final_event
+from wsinfer.sessions.schema import DoneEvent, TurnError, Usage, decode_event, encode
+
+
+def _failed(error: TurnError | None) -> DoneEvent:
+    out = RequestOutput("s:1", [], "", 3, True, "error", usage=Usage(4, 3), error=error)
+    done = _final_event(out)
+    assert isinstance(done, DoneEvent)
+    return done
+
+
+def test_the_code_the_core_chose_crosses_redis_as_is() -> None:
+    too_long = TurnError(ErrorCode.TOO_LARGE, "prompt of 9000 tokens does not fit")
+    done = decode_event(encode(_failed(too_long)))
+    assert isinstance(done, DoneEvent) and done.error == too_long
+    assert done.error.code is ErrorCode.TOO_LARGE
+
+
+def test_words_in_a_message_do_not_choose_its_code() -> None:
+    # Was: any message mentioning "context" became too_large.
+    fault = TurnError(ErrorCode.INTERNAL, "CUDA error: context is destroyed")
+    assert _failed(fault).error == fault
+    assert _failed(None).error == TurnError(ErrorCode.INTERNAL, "generation failed")
+
+
+def test_the_engine_process_does_not_import_the_frontends_store() -> None:
+    # redis itself imports redis.asyncio; what the engine must not load is the
+    # frontend's asyncio store (it did, through sessions/worker.py).
+    probe = "import json, sys, wsinfer.engine.process; print(json.dumps(list(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(out.stdout))
+    assert "wsinfer.engine.process" in loaded
+    assert "wsinfer.sessions.store" not in loaded

@@ -1,0 +1,43 @@
+"""docs/protocol.md and wsinfer.contract name the same things."""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from pathlib import Path
+
+import pytest
+
+from wsinfer import contract
+
+DOC = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+
+
+def _table_names(heading: str) -> set[str]:
+    """The backticked first cells of the table under ``heading``."""
+    section = DOC.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([a-z_]+)` \|", section, re.MULTILINE))
+
+
+def _values(enum: type[Enum]) -> set[str]:
+    return {member.value for member in enum}
+
+
+def test_client_messages_are_the_docs_table() -> None:
+    assert _table_names("Client to server") == _values(contract.ClientMessageType)
+
+
+def test_server_messages_are_the_docs_table() -> None:
+    assert _table_names("Server to client") == _values(contract.ServerMessageType)
+
+
+def test_error_codes_are_the_docs_list() -> None:
+    line = next(row for row in DOC.splitlines() if row.startswith("| `error` |"))
+    listed = set(re.findall(r"`([a-z_]+)`", line.split("codes:", 1)[1]))
+    assert listed == _values(contract.ErrorCode)
+
+
+@pytest.mark.parametrize("reason", sorted(_values(contract.FinishReason)))
+def test_every_finish_reason_is_documented(reason: str) -> None:
+    line = next(row for row in DOC.splitlines() if row.startswith("| `done` |"))
+    assert f"`{reason}`" in line

@@ -1,0 +1,115 @@
+"""The fan-in against a real Redis: hot and cold reads, exactly-once delivery."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from wsinfer import fanin as fanin_module
+from wsinfer.fanin import FanIn
+from wsinfer.sessions import keys
+from wsinfer.sessions.schema import DeltaEvent, TurnEvent, encode
+
+QUIET_S = 0.5  # how long a stream stays hot without entries, in these tests
+
+
+class Recorder:
+    """Every XREAD the fan-in sends: which streams it named."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.calls: list[set[str]] = []
+        self._xread = redis.xread
+        redis.xread = self.xread  # type: ignore[method-assign]
+
+    async def xread(self, streams: dict[Any, Any], **kwargs: Any) -> Any:
+        self.calls.append({str(s) for s in streams})
+        return await self._xread(streams, **kwargs)
+
+    def naming(self, stream: str) -> int:
+        return sum(stream in call for call in self.calls)
+
+
+@pytest.fixture
+async def fanin(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FanIn]:
+    monkeypatch.setattr(fanin_module, "COLD_AFTER_S", QUIET_S)
+    monkeypatch.setattr(fanin_module, "DEMOTE_EVERY_S", 0.0)
+    client = aioredis.from_url(redis_url)
+    fan = FanIn(client, "f-test", block_ms=1000)
+    task = asyncio.create_task(fan.run())
+    yield fan
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await fan.close()
+    await client.aclose()
+
+
+def collector() -> tuple[list[int], Any]:
+    seqs: list[int] = []
+
+    def deliver(events: list[TurnEvent]) -> None:
+        seqs.extend(e.seq for e in events)
+
+    return seqs, deliver
+
+
+async def publish(fan: FanIn, stream: str, seq: int) -> None:
+    await fan.redis.xadd(stream, encode(DeltaEvent(seq, f"t{seq}")))
+
+
+async def until(check: Any, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_quiet_stream_turns_cold_and_back_hot_without_losing_entries(fanin: FanIn) -> None:
+    stream = keys.turn_stream("s1", 1)
+    seqs, deliver = collector()
+    fanin.subscribe(stream, ("c", "s1"), "0-0", deliver)
+    await publish(fanin, stream, 1)
+    await until(lambda: seqs == [1])
+    assert stream in fanin.hot
+    await until(lambda: stream in fanin.cold)  # quiet for QUIET_S
+    for seq in (2, 3, 4):
+        await publish(fanin, stream, seq)
+    await until(lambda: seqs == [1, 2, 3, 4])
+    await until(lambda: stream in fanin.hot)
+    await publish(fanin, stream, 5)
+    await until(lambda: len(seqs) == 5)
+    assert seqs == [1, 2, 3, 4, 5]  # each once, in order, across both moves
+
+
+async def test_hot_rounds_do_not_name_a_cold_stream(fanin: FanIn) -> None:
+    recorder = Recorder(fanin.redis)
+    busy, idle = keys.turn_stream("busy", 1), keys.turn_stream("idle", 1)
+    busy_seqs, deliver_busy = collector()
+    fanin.subscribe(idle, ("c", "idle"), "0-0", collector()[1])
+    await until(lambda: idle in fanin.cold)
+    named_when_cold = recorder.naming(idle)
+    fanin.subscribe(busy, ("c", "busy"), "0-0", deliver_busy)
+    for seq in range(1, 51):  # 50 rounds of the hot XREAD, or close to it
+        await publish(fanin, busy, seq)
+        await until(lambda seq=seq: busy_seqs[-1:] == [seq])
+    # The cold XREAD is re-sent when its set changes (the busy stream may turn
+    # cold and back on a loaded machine), not on each of the 50 hot rounds.
+    assert recorder.naming(idle) - named_when_cold < 10
+    assert len(recorder.calls) - named_when_cold > 50
+
+
+async def test_a_new_subscription_to_a_cold_stream_reads_it_hot(fanin: FanIn) -> None:
+    stream = keys.turn_stream("s2", 1)
+    first, deliver_first = collector()
+    fanin.subscribe(stream, ("a", "s2"), "0-0", deliver_first)
+    await publish(fanin, stream, 1)
+    await until(lambda: first == [1])
+    await until(lambda: stream in fanin.cold)
+    second, deliver_second = collector()
+    fanin.subscribe(stream, ("b", "s2"), "0-0", deliver_second)  # replays from the start
+    assert stream in fanin.hot
+    await until(lambda: second == [1])
+    assert first == [1]

@@ -1,0 +1,83 @@
+"""The wire contract's vocabulary: every message type, error code, finish
+reason, turn status and close code of docs/protocol.md, named once.
+
+A leaf module (standard library only), so that the server, the engine, the
+Python client and the generated browser table all import the same names, and
+a test can hold docs/protocol.md to them. A new message type or code starts
+here and in the doc.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ClientMessageType(str, Enum):
+    GENERATE = "generate"
+    STOP = "stop"
+    PAUSE = "pause"
+    RESUME = "resume"
+    CLOSE = "close"
+
+
+class ServerMessageType(str, Enum):
+    SESSION = "session"
+    DELTA = "delta"
+    PAUSED = "paused"
+    DONE = "done"
+    ERROR = "error"
+
+
+class ErrorCode(str, Enum):
+    """Codes of ``error`` messages and of ``done.error``, chosen where the
+    error happens and carried across processes as they are."""
+
+    # The request was wrong: retrying it unchanged will not help.
+    BAD_REQUEST = "bad_request"
+    UNAUTHORIZED = "unauthorized"
+    NOT_FOUND = "not_found"
+    CONFLICT = "conflict"
+    TOO_LARGE = "too_large"
+    # The service could not serve it now: retrying later may.
+    OVERLOADED = "overloaded"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    INTERNAL = "internal"
+
+
+class ClientErrorCode(str, Enum):
+    """Codes the clients raise themselves, never sent by the server: the same
+    situation gets the same code in Python and in the browser."""
+
+    # The connection dropped and could not be restored (reconnect off, or it
+    # gave up after its attempts); the turn may still be running server-side.
+    CONNECTION_LOST = "connection_lost"
+    # The caller closed the client or the session while a call was waiting.
+    CLIENT_CLOSED = "client_closed"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # end-of-sequence or a stop string
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class TurnStatus(str, Enum):
+    """A turn's status as clients see it (``new`` never reaches them)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    DONE = "done"
+
+
+class CloseCode:
+    """WebSocket close codes with a meaning of ours (IANA's registry)."""
+
+    # Drain: the client should reconnect, through the load balancer, and resume.
+    SERVICE_RESTART = 1012
+
+
+# A generate's idempotency key, as both clients make it: random, this many hex
+# characters (the server takes 16 to 128 characters).
+IDEMPOTENCY_KEY_HEX = 32
