@@ -197,42 +197,45 @@ PUBLISH = (
     + """
 local meta = KEYS[1]
 if redis.call('EXISTS', meta) == 0 then return {'not_found'} end
+-- One read of every field this script decides on (a Lua redis.call costs about
+-- as much as the work it does; this script runs for every delta of every turn).
+local m = redis.call('HMGET', meta, 'engine', 'epoch', 'pub', 'seq', 'status', 'control',
+                     'seen_at', 'ttl')
+local engine, epoch, published, control, seen_at = m[1], m[2], m[3], m[6], m[7]
 local n = tonumber(ARGV[11])
 -- A retry of a publish Redis already took (the reply was lost to an outage)
 -- is acknowledged without writing anything twice.
 local pub = nil
 for i = 12 + n, #ARGV, 2 do if ARGV[i] == 'pub' then pub = tonumber(ARGV[i + 1]) end end
-if pub and redis.call('HGET', meta, 'epoch') == ARGV[2]
-  and (tonumber(redis.call('HGET', meta, 'pub')) or 0) >= pub then
-  return {'ok', redis.call('HGET', meta, 'control'), redis.call('HGET', meta, 'seen_at')}
+if pub and epoch == ARGV[2] and (tonumber(published) or 0) >= pub then
+  return {'ok', control, seen_at}
 end
-if redis.call('HGET', meta, 'engine') ~= ARGV[1] or redis.call('HGET', meta, 'epoch') ~= ARGV[2]
-then
-  return {'fenced'}
-end
-local have = tonumber(redis.call('HGET', meta, 'seq')) or 0
+if engine ~= ARGV[1] or epoch ~= ARGV[2] then return {'fenced'} end
+local have = tonumber(m[4]) or 0
 if ARGV[5] ~= '' and have ~= tonumber(ARGV[5]) then return {'gap', tostring(have)} end
 local final = ARGV[6] ~= ''
-local status = redis.call('HGET', meta, 'status')
+local status = m[5]
 if final and not allowed(status, ARGV[6]) then return {'illegal', status} end
-local stop_pending = final and ARGV[9] ~= '' and redis.call('HGET', meta, 'control') == 'stop'
-  and allowed(ARGV[7], ARGV[8])
+local stop_pending = final and ARGV[9] ~= '' and control == 'stop' and allowed(ARGV[7], ARGV[8])
 local written = n
 if stop_pending then written = n - 1 end  -- the paused event gives way to the done
 for i = 1, written do redis.call('XADD', KEYS[2], '*', 'm', ARGV[11 + i]) end
-redis.call('HSET', meta, 'seq', ARGV[4])
-for i = 12 + n, #ARGV, 2 do redis.call('HSET', meta, ARGV[i], ARGV[i + 1]) end
+local fields = {'seq', ARGV[4]}
+for i = 12 + n, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', meta, unpack(fields))
 if stop_pending then
   cancel(meta, KEYS[2], ARGV[10], ARGV[9])
+  control = ''
 elseif final then
   redis.call('HSET', meta, 'status', ARGV[7], 'control', '')
+  control = ''
 end
 if final then redis.call('HSET', meta, 'engine', '') end
 if written > 0 or stop_pending then redis.call('SPUBLISH', KEYS[3], ARGV[4]) end
-local ttl = ttl_of(meta, ARGV[3])
+local ttl = tonumber(m[8]) or tonumber(ARGV[3])
 redis.call('EXPIRE', meta, ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
-return {'ok', redis.call('HGET', meta, 'control'), redis.call('HGET', meta, 'seen_at')}
+return {'ok', control, seen_at}
 """
 )
 

@@ -481,7 +481,7 @@ def test_the_scripts_use_only_the_meta_fields_of_the_record() -> None:
 
 
 _LUA_WORDS = {
-    "HGET", "HSET", "HINCRBY", "HGETALL", "EXISTS", "EXPIRE", "DEL", "SET", "EX", "XADD",
+    "HGET", "HMGET", "HSET", "HINCRBY", "HGETALL", "EXISTS", "EXPIRE", "DEL", "SET", "EX", "XADD",
     "SPUBLISH", "ok", "not_found", "illegal", "stale", "fenced", "gap", "moved", "mode",
     "exists", "new", "done", "stop", "repeat", "m", "control:", "done_cancelled", "paused",
     "requeue", "1",
