@@ -312,7 +312,10 @@ def pack(message: Any) -> bytes:
 
 
 def _decode_fields(fields: dict[Any, Any] | None) -> dict[str, Any]:
-    raw = fields.get(b"m", fields.get("m")) if fields else None
+    return _unpack_map(entry_payload(fields))
+
+
+def _unpack_map(raw: bytes | None) -> dict[str, Any]:
     if raw is None:
         raise ValueError("stream entry has no 'm' field")
     data = msgpack.unpackb(raw, raw=False)
@@ -321,8 +324,24 @@ def _decode_fields(fields: dict[Any, Any] | None) -> dict[str, Any]:
     return data
 
 
+def entry_payload(fields: dict[Any, Any] | list[Any] | None) -> bytes | None:
+    """A stream entry's packed ``m`` field, from its fields as redis-py parses
+    them (a dict) or as Redis sends them (``[b"m", payload]``: the fan-in's hot
+    path reads replies without redis-py's per-entry dict)."""
+    if isinstance(fields, dict):
+        return fields.get(b"m", fields.get("m"))
+    if fields and len(fields) == 2 and fields[0] in (b"m", "m"):
+        return fields[1]  # type: ignore[no-any-return]
+    return None
+
+
 def decode_event(fields: dict[Any, Any] | None) -> TurnEvent:
-    data = _decode_fields(fields)
+    return decode_event_payload(entry_payload(fields))
+
+
+def decode_event_payload(raw: bytes | None) -> TurnEvent:
+    """An event from its packed ``m`` field."""
+    data = _unpack_map(raw)
     kind = data.pop("kind")
     if kind == "delta":
         return DeltaEvent(**data)

@@ -29,7 +29,7 @@ import structlog
 from wsinfer.fanin import Deliver, FanIn
 from wsinfer.sessions import keys
 from wsinfer.sessions.connect import async_node_client
-from wsinfer.sessions.schema import as_str
+from wsinfer.sessions.schema import as_str, entry_payload
 
 log = structlog.get_logger("wsinfer.fanin")
 
@@ -177,7 +177,7 @@ class ClusterFanIn(FanIn):
         for stream, reply in zip(wanted, await pipe.execute(), strict=True):
             for _, entries in reply or []:
                 if entries:
-                    self._dispatch(stream, [(as_str(i), f) for i, f in entries])
+                    self._dispatch(stream, [(as_str(i), entry_payload(f)) for i, f in entries])
 
     async def _assign(self) -> None:
         """Each followed session's wake channel, subscribed on the node owning its slot."""

@@ -85,7 +85,7 @@ async def test_a_quiet_stream_turns_cold_and_back_hot_without_losing_entries(fan
 
 
 async def test_hot_rounds_do_not_name_a_cold_stream(fanin: FanIn) -> None:
-    recorder = Recorder(fanin.redis)
+    recorder = Recorder(fanin.reader)
     busy, idle = keys.turn_stream("busy", 1), keys.turn_stream("idle", 1)
     busy_seqs, deliver_busy = collector()
     fanin.subscribe(idle, ("c", "idle"), "0-0", collector()[1])
@@ -113,3 +113,26 @@ async def test_a_new_subscription_to_a_cold_stream_reads_it_hot(fanin: FanIn) ->
     assert stream in fanin.hot
     await until(lambda: second == [1])
     assert first == [1]
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_raw_replies_are_read_in_either_resp_version(redis_url: str, protocol: int) -> None:
+    """The fan-in parses XREAD replies itself: RESP2's list and RESP3's map."""
+    client = aioredis.from_url(redis_url, protocol=protocol)
+    fan = FanIn(client, f"f-resp{protocol}", block_ms=1000)
+    task = asyncio.create_task(fan.run())
+    try:
+        streams = [keys.turn_stream(f"resp{protocol}-{i}", 1) for i in range(2)]
+        got = [collector() for _ in streams]
+        for stream, (_, deliver) in zip(streams, got, strict=True):
+            fan.subscribe(stream, stream, "0-0", deliver)
+        for seq in (1, 2, 3):
+            for stream in streams:
+                await publish(fan, stream, seq)
+        await until(lambda: all(seqs == [1, 2, 3] for seqs, _ in got))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await fan.close()
+        await client.delete(*streams)
+        await client.aclose()
