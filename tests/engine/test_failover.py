@@ -91,5 +91,8 @@ async def test_next_turns_land_on_the_engine_with_the_cache(
         await client.send(type="generate", messages=PROMPT, params={"max_new_tokens": 5}, **ids)
         turn2 = await client.until("done")
         assert redis_client.hget(keys.meta(ids["session"]), "kv_engine") == holder
-        assert turn2[-1]["usage"]["cached_tokens"] >= turn1[-1]["usage"]["prompt_tokens"]
+        # The whole first prompt is reused, but for its last token at most: the
+        # conversation is rendered again, and a reply that starts with a space
+        # or a newline may merge with the generation prompt's final newline.
+        assert turn2[-1]["usage"]["cached_tokens"] >= turn1[-1]["usage"]["prompt_tokens"] - 1
     await client.close()
