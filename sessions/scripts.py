@@ -1,10 +1,11 @@
 """The Lua scripts that move a turn through its states atomically.
 
-Each script touches only one session's keys (one hash slot), so they run on
-Redis Cluster too. The legal statuses come in as arguments computed from
-``states.TRANSITIONS``, and the events come in already encoded by
-``schema.pack``: the scripts know the meta hash's fields (``schema.SessionMeta``)
-but neither the state table nor the events' format.
+Each script call touches only one session's keys (one hash slot), so they run
+on Redis Cluster too; PUBLISH takes a whole engine step's turns in one call on
+one Redis, and one turn per call on a cluster. The legal statuses come in as
+arguments computed from ``states.TRANSITIONS``, and the events come in already
+encoded by ``schema.pack``: the scripts know the meta hash's fields
+(``schema.SessionMeta``) but neither the state table nor the events' format.
 
 A session's keys live ``ttl`` seconds (a field of its meta, set when it is
 created) after each write, whichever process writes: the TTL argument a
@@ -176,7 +177,10 @@ return reply
 """
 )
 
-# Engine: append one step's events for a turn, fenced by the claim's epoch.
+# Engine: append one step's events for each of its turns, each fenced by its
+# claim's epoch. One call carries a whole step on one Redis (a Lua call per
+# delta cost the engine more than the write itself); on a cluster a call
+# carries one turn, since a script's keys must share a slot.
 # A stop the client asked for while the engine was pausing the turn (the engine
 # decided to pause, idle or asked to, before it saw the stop flag) is applied
 # here: the turn goes paused --stop--> done at once, with the cancelled done
@@ -185,57 +189,69 @@ return reply
 # The publish continues from prev_seq: a session whose seq is not that lost
 # writes in a Redis failover (``gap``: the engine must rebuild the turn from
 # the token log rather than leave a hole in the stream).
-# KEYS: meta, turn_stream, session_wake
-# ARGV: engine_id, epoch, ttl, seq, prev_seq ('' = unchecked),
-#       final_allowed_from ('' = not final),
+# KEYS: per turn: meta, turn_stream, session_wake
+# ARGV: per turn: the number of its arguments, then engine_id, epoch, ttl, seq,
+#       prev_seq ('' = unchecked), final_allowed_from ('' = not final),
 #       final_target, stop_allowed_from, stop_target ('' = no pending stop to
 #       apply), cancelled_event, n_events, events..., then field/value pairs to
 #       set (``pub``: the engine's publish number for this claim, for
 #       idempotent retries)
+# Reply: one reply per turn, in order.
 PUBLISH = (
     _PRELUDE
     + """
-local meta = KEYS[1]
-if redis.call('EXISTS', meta) == 0 then return {'not_found'} end
--- One read of every field this script decides on (a Lua redis.call costs about
--- as much as the work it does; this script runs for every delta of every turn).
-local m = redis.call('HMGET', meta, 'engine', 'epoch', 'pub', 'seq', 'status', 'control',
-                     'seen_at', 'ttl')
-local engine, epoch, published, control, seen_at = m[1], m[2], m[3], m[6], m[7]
-local n = tonumber(ARGV[11])
--- A retry of a publish Redis already took (the reply was lost to an outage)
--- is acknowledged without writing anything twice.
-local pub = nil
-for i = 12 + n, #ARGV, 2 do if ARGV[i] == 'pub' then pub = tonumber(ARGV[i + 1]) end end
-if pub and epoch == ARGV[2] and (tonumber(published) or 0) >= pub then
+-- One turn: its keys, and its arguments ARGV[a + 1] .. ARGV[last].
+local function publish(meta, stream, wake, a, last)
+  if redis.call('EXISTS', meta) == 0 then return {'not_found'} end
+  -- One read of every field this decides on: a redis.call from Lua costs
+  -- about as much as the work it does, and this runs for every delta.
+  local m = redis.call('HMGET', meta, 'engine', 'epoch', 'pub', 'seq', 'status', 'control',
+                       'seen_at', 'ttl')
+  local engine, epoch, published, control, seen_at = m[1], m[2], m[3], m[6], m[7]
+  local n = tonumber(ARGV[a + 11])
+  local first_field = a + 12 + n
+  -- A retry of a publish Redis already took (the reply was lost to an outage)
+  -- is acknowledged without writing anything twice.
+  local pub = nil
+  for i = first_field, last, 2 do if ARGV[i] == 'pub' then pub = tonumber(ARGV[i + 1]) end end
+  if pub and epoch == ARGV[a + 2] and (tonumber(published) or 0) >= pub then
+    return {'ok', control, seen_at}
+  end
+  if engine ~= ARGV[a + 1] or epoch ~= ARGV[a + 2] then return {'fenced'} end
+  local have = tonumber(m[4]) or 0
+  if ARGV[a + 5] ~= '' and have ~= tonumber(ARGV[a + 5]) then return {'gap', tostring(have)} end
+  local final = ARGV[a + 6] ~= ''
+  local status = m[5]
+  if final and not allowed(status, ARGV[a + 6]) then return {'illegal', status} end
+  local stop_pending = final and ARGV[a + 9] ~= '' and control == 'stop'
+    and allowed(ARGV[a + 7], ARGV[a + 8])
+  local written = n
+  if stop_pending then written = n - 1 end  -- the paused event gives way to the done
+  for i = 1, written do redis.call('XADD', stream, '*', 'm', ARGV[a + 11 + i]) end
+  local fields = {'seq', ARGV[a + 4]}
+  for i = first_field, last do fields[#fields + 1] = ARGV[i] end
+  redis.call('HSET', meta, unpack(fields))
+  if stop_pending then
+    cancel(meta, stream, ARGV[a + 10], ARGV[a + 9])
+    control = ''
+  elseif final then
+    redis.call('HSET', meta, 'status', ARGV[a + 7], 'control', '')
+    control = ''
+  end
+  if final then redis.call('HSET', meta, 'engine', '') end
+  if written > 0 or stop_pending then redis.call('SPUBLISH', wake, ARGV[a + 4]) end
+  local ttl = tonumber(m[8]) or tonumber(ARGV[a + 3])
+  redis.call('EXPIRE', meta, ttl)
+  redis.call('EXPIRE', stream, ttl)
   return {'ok', control, seen_at}
 end
-if engine ~= ARGV[1] or epoch ~= ARGV[2] then return {'fenced'} end
-local have = tonumber(m[4]) or 0
-if ARGV[5] ~= '' and have ~= tonumber(ARGV[5]) then return {'gap', tostring(have)} end
-local final = ARGV[6] ~= ''
-local status = m[5]
-if final and not allowed(status, ARGV[6]) then return {'illegal', status} end
-local stop_pending = final and ARGV[9] ~= '' and control == 'stop' and allowed(ARGV[7], ARGV[8])
-local written = n
-if stop_pending then written = n - 1 end  -- the paused event gives way to the done
-for i = 1, written do redis.call('XADD', KEYS[2], '*', 'm', ARGV[11 + i]) end
-local fields = {'seq', ARGV[4]}
-for i = 12 + n, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', meta, unpack(fields))
-if stop_pending then
-  cancel(meta, KEYS[2], ARGV[10], ARGV[9])
-  control = ''
-elseif final then
-  redis.call('HSET', meta, 'status', ARGV[7], 'control', '')
-  control = ''
+local replies, a = {}, 0
+for t = 1, #KEYS / 3 do
+  local count = tonumber(ARGV[a + 1])
+  replies[t] = publish(KEYS[3 * t - 2], KEYS[3 * t - 1], KEYS[3 * t], a + 1, a + 1 + count)
+  a = a + 1 + count
 end
-if final then redis.call('HSET', meta, 'engine', '') end
-if written > 0 or stop_pending then redis.call('SPUBLISH', KEYS[3], ARGV[4]) end
-local ttl = tonumber(m[8]) or tonumber(ARGV[3])
-redis.call('EXPIRE', meta, ttl)
-redis.call('EXPIRE', KEYS[2], ttl)
-return {'ok', control, seen_at}
+return replies
 """
 )
 

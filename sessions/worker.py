@@ -15,7 +15,7 @@ import msgpack
 import redis
 
 from wsinfer.sessions import keys, scripts
-from wsinfer.sessions.connect import ScriptCall, run_scripts
+from wsinfer.sessions.connect import ScriptCall, is_cluster, run_scripts
 from wsinfer.sessions.schema import (
     DEFAULT_SESSION_TTL_S,
     DeltaEvent,
@@ -309,21 +309,33 @@ class WorkerStore:
     # --- per step ------------------------------------------------------------
 
     def publish_many(self, publishes: list[Publish]) -> list[PublishResult]:
-        """One round trip for a whole step's events, each fenced by its epoch."""
-        calls: list[ScriptCall] = [
-            (
-                self._publish,
-                [
+        """One round trip for a whole step's events, each fenced by its epoch:
+        one script call for the step on one Redis, one call per turn on a
+        cluster (a call's keys must share a slot)."""
+        if not publishes:
+            return []
+        groups = [[item] for item in publishes] if is_cluster(self.redis) else [publishes]
+        calls: list[ScriptCall] = []
+        for group in groups:
+            call_keys: list[str] = []
+            call_args: list[Any] = []
+            for item in group:
+                call_keys += [
                     keys.meta(item.session),
                     keys.turn_stream(item.session, item.turn),
                     keys.session_wake(item.session),
-                ],
-                self._publish_args(item),
-            )
-            for item in publishes
-        ]
-        replies = run_scripts(self.redis, calls)
-        return [self._publish_result(reply) for reply in replies]
+                ]
+                args = self._publish_args(item)
+                call_args += [len(args), *args]
+            calls.append((self._publish, call_keys, call_args))
+        results: list[PublishResult] = []
+        for group, reply in zip(groups, run_scripts(self.redis, calls), strict=True):
+            if isinstance(reply, Exception):
+                raise reply
+            if len(reply) != len(group):
+                raise ValueError(f"publish answered {len(reply)} of {len(group)} turns")
+            results += [self._publish_result(one) for one in reply]
+        return results
 
     def _publish_args(self, item: Publish) -> list[Any]:
         final = item.final_action

@@ -486,3 +486,32 @@ _LUA_WORDS = {
     "exists", "new", "done", "stop", "repeat", "m", "control:", "done_cancelled", "paused",
     "requeue", "1",
 }  # fmt: skip
+
+
+async def test_one_step_publishes_many_turns_each_with_its_own_outcome(
+    store: SessionStore, redis_client: redis.Redis, worker: WorkerStore
+) -> None:
+    """A step's turns go in one script call; each is checked and answered alone,
+    in order, so one fenced or closed turn changes nothing for the others."""
+    sessions = [await store.create(CHAT) for _ in range(4)]
+    items = worker.read_work(10, None)
+    assert len(items) == 4
+    claims = {c.session: c for c in (worker.claim(i.request, takeover=False) for i in items) if c}
+    (closed, closed_token), (first, _), (taken, _), (last, _) = sessions
+    await store.close(closed, closed_token)
+    other = WorkerStore(redis_client, "engine-b", ttl_s=60)
+    stolen = other.take_over_expired(min_idle_ms=0, count=10)
+    assert other.claim(next(t for t in stolen if t.request.session == taken).request, takeover=True)
+    order = [closed, first, taken, last]
+    step = [
+        Publish(s, 1, claims[s].epoch, 2, [DeltaEvent(2, "ab", [i, i + 10])], {"pub": 1})
+        for i, s in enumerate(order)
+    ]
+    outcomes = [r.outcome for r in worker.publish_many(step)]
+    assert outcomes == ["not_found", "ok", "fenced", "ok"]
+    assert worker.read_generated(first, 1) == ([1, 11], 2)
+    assert worker.read_generated(last, 1) == ([3, 13], 2)
+    assert worker.read_generated(taken, 1) == ([], 0)
+    # The same step again (its reply lost to an outage): nothing written twice.
+    assert [r.outcome for r in worker.publish_many(step[1:2])] == ["ok"]
+    assert worker.read_generated(first, 1) == ([1, 11], 2)
