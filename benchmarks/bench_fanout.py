@@ -2,6 +2,7 @@
 
     python benchmarks/bench_fanout.py [--streams 1,50,200,1000] [--tokens 40000]
         [--idle 10000] [--paced-streams 200] [--paced-rate 20] [--reconnects 300]
+        [--repeat 3]
 
 (``--tokens`` is split over each row's streams, at most 4096 per stream.)
 
@@ -19,7 +20,9 @@ clients in this process (JSON subprotocol). Sections:
    over its streams (the ceiling), and the ratio. Both compress as the frontend
    does (messages under 1 KiB plain: ``wsinfer/sendpath.py``), so both send the
    same bytes. CPU is counted from the moment every socket is open, like the
-   wall time: handshakes are not relaying.
+   wall time: handshakes are not relaying. With ``--repeat N`` each row runs N
+   times, service and bare alternating, and shows the median run with every
+   run's tokens/s: this machine's throughput drifts by 20% from run to run.
 2. Paced: ``--paced-streams`` streams at ``--paced-rate`` tokens/s each (an
    engine ``fake:RATE:stamp``): publish-to-receive p50/p99 below saturation.
 3. Idle: ``--idle`` connections, each holding a session whose turn is done,
@@ -336,16 +339,21 @@ async def relay_section(svc: Service, bare_port: int, bare_pid: int, args: Any) 
     lines = [
         "| streams | tokens each | service tok/s | frames/s | tokens/frame | delay p50 / p99 "
         "| bare ws tok/s | bare delay p50 / p99 | service / bare | CPU service (F E R C) "
-        "| CPU bare (B C) | relay CPU µs/token: frontend / bare |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU bare (B C) | relay CPU µs/token: frontend / bare "
+        "| service tok/s, all runs | bare tok/s, all runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     service_url = f"ws://127.0.0.1:{svc.port}/v1/ws"
     bare_url = f"ws://127.0.0.1:{bare_port}"
     for n in args.streams:
         tokens = min(MAX_NEW_TOKENS, max(20, args.tokens // n))
         await measure(service_url, n, 20, svc.pids(), bare=False)  # warm-up
-        ours = await measure(service_url, n, tokens, svc.pids(), bare=False)
-        bare = await measure(bare_url, n, tokens, {"bare": bare_pid}, bare=True)
+        ours_runs: list[Row] = []
+        bare_runs: list[Row] = []
+        for _ in range(args.repeat):  # alternating, so a drifting machine hits both alike
+            ours_runs.append(await measure(service_url, n, tokens, svc.pids(), bare=False))
+            bare_runs.append(await measure(bare_url, n, tokens, {"bare": bare_pid}, bare=True))
+        ours, bare = median_row(ours_runs), median_row(bare_runs)
         lines.append(
             f"| {n} | {tokens} | {ours.tokens_per_s:,.0f} | {ours.frames_per_s:,.0f} "
             f"| {ours.tokens_per_s / ours.frames_per_s:.2f} "
@@ -353,10 +361,20 @@ async def relay_section(svc: Service, bare_port: int, bare_pid: int, args: Any) 
             f"| {bare.p50_ms:.1f} / {bare.p99_ms:.1f} ms "
             f"| {ours.tokens_per_s / bare.tokens_per_s:.0%} | {cpu_text(ours.cpu)} "
             f"| {cpu_text(bare.cpu)} "
-            f"| {ours.relay_us_per_token:.1f} / {bare.relay_us_per_token:.1f} |"
+            f"| {ours.relay_us_per_token:.1f} / {bare.relay_us_per_token:.1f} "
+            f"| {runs_text(ours_runs)} | {runs_text(bare_runs)} |"
         )
         print(lines[-1], file=sys.stderr, flush=True)
     return lines
+
+
+def median_row(rows: list[Row]) -> Row:
+    """The run with the median tokens/s (the lower middle one of an even count)."""
+    return sorted(rows, key=lambda row: row.tokens_per_s)[(len(rows) - 1) // 2]
+
+
+def runs_text(rows: list[Row]) -> str:
+    return " / ".join(f"{row.tokens_per_s:,.0f}" for row in rows)
 
 
 async def paced_section(svc: Service, args: Any) -> str:
@@ -455,6 +473,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="idle connections each following a paused turn (0: skip)",
     )
     parser.add_argument("--reconnects", type=int, default=300)
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="relay runs per row, service and bare alternating; the table shows the median",
+    )
     parser.add_argument("--bare-relay", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.streams = [int(s) for s in args.streams.split(",") if s]  # "": no relay rows

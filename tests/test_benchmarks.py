@@ -228,7 +228,8 @@ def test_bench_fanout_measures_the_relay_against_bare_websockets(
     try:
         load_script("bench_fanout").main(
             ["--streams", "1,4", "--tokens", "400", "--idle", "20", "--idle-followed", "10",
-             "--reconnects", "5", "--paced-streams", "3", "--paced-seconds", "0.5"]
+             "--reconnects", "5", "--paced-streams", "3", "--paced-seconds", "0.5",
+             "--repeat", "2"]
         )  # fmt: skip
     finally:
         signal.signal(signal.SIGTERM, sigterm)
@@ -238,6 +239,8 @@ def test_bench_fanout_measures_the_relay_against_bare_websockets(
     for row in rows:
         assert float(row[2].replace(",", "")) > 0 and float(row[6].replace(",", "")) > 0
         assert row[8].endswith("%") and float(row[4]) >= 1  # tokens per frame
+        assert len(row[12].split(" / ")) == len(row[13].split(" / ")) == 2  # each run
+        assert row[2] in row[12].split(" / ")  # the median run is one of them
     assert any(line.startswith("Reconnect to first replayed delta (5 reconnects") for line in out)
     assert any(line.startswith("Paced: 3 streams") for line in out)
     assert any(line.startswith("Idle: 20 connections, each holding") for line in out)
