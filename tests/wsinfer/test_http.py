@@ -295,9 +295,9 @@ async def test_disconnect_keeps_generating_then_the_idle_limit_pauses(tmp_path: 
                 "GET", f"/v1/sessions/{session}/stream", headers={**auth, "Last-Event-ID": "0"}
             )
             response = await http.send(request, stream=True)
-            raw = b""
-            while b'"content"' not in raw.split(b"id: " + str(info["seq"]).encode())[-1]:
-                raw += await anext(response.aiter_bytes())
+            raw, chunks = b"", response.aiter_bytes()
+            while int(sse_events(raw)[1] or 0) <= info["seq"]:  # an event past the pause
+                raw += await anext(chunks)
             await response.aclose()
             stopped = await http.post(f"/v1/sessions/{session}/stop", headers=auth)
             assert stopped.json()["seq"] > info["seq"]
