@@ -91,6 +91,13 @@ class EngineMetrics:
             registry=r,
         )
         waiting.set_function(lambda: self.core.num_waiting if self.core is not None else 0)
+        self.queued = Gauge(
+            "wsinfer_engine_queued_turns",
+            "Turns queued in Redis that no engine has taken yet, shared and this engine's "
+            "own queue (an engine takes only what its batch has room for: this is the "
+            "backlog); refreshed with each heartbeat",
+            registry=r,
+        )
         self.max_batch = Gauge(
             "wsinfer_engine_max_batch_size",
             "Turns the engine runs at once (--max-batch-size): running / this = saturation",

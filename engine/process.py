@@ -172,7 +172,7 @@ class EngineProcess:
 
     def _heartbeat(self, now: float) -> None:
         self._next_heartbeat = now + self.config.heartbeat_s
-        self.store.heartbeat()
+        self.metrics.queued.set(self.store.heartbeat())
         self.store.renew_leases([turn.work for turn in self.active.values()])
 
     def _capacity(self) -> int:

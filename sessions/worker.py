@@ -126,17 +126,26 @@ class WorkerStore:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    def heartbeat(self) -> None:
+    def heartbeat(self) -> int:
         """Say this engine is alive; the shared keys live while some engine does.
 
         The registry and the queues expire ``ttl_s`` after the last engine's
         last heartbeat: by then every session they could mention is gone too.
+        Returns the turns queued in Redis that no engine has taken yet (the
+        shared queue's and this engine's own): an engine takes only what its
+        batch has room for, so this, not its own waiting count, is the backlog.
         """
         pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(keys.ENGINES, {self.engine_id: time.time()})
         for key in (keys.ENGINES, keys.REQUESTS, self.own_queue):
             pipe.expire(key, self.ttl_s)
-        pipe.execute()
+        for queue in (keys.REQUESTS, self.own_queue):
+            pipe.xinfo_groups(queue)
+        *done, shared, own = pipe.execute(raise_on_error=False)
+        for reply in done:
+            if isinstance(reply, Exception):
+                raise reply
+        return _lag(shared) + _lag(own)
 
     def deregister(self) -> None:
         """Mark this engine dead at once; the others drain its own queue.
@@ -381,3 +390,13 @@ class WorkerStore:
             if turn is not None and int(turn) == key[1]:
                 out[key] = (as_str(control or ""), float(seen_at or 0))
         return out
+
+
+def _lag(groups: Any) -> int:
+    """Entries of a queue the engines' consumer group has not read (0: no queue yet)."""
+    if isinstance(groups, Exception):
+        return 0
+    for group in groups:
+        if as_str(group["name"]) == keys.ENGINE_GROUP:
+            return int(group.get("lag") or 0)
+    return 0

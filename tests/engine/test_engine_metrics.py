@@ -30,11 +30,13 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def start_engine(folder: Path, redis_url: str, name: str, rate: str) -> tuple[Logged, str]:
+def start_engine(
+    folder: Path, redis_url: str, name: str, rate: str, *extra: str
+) -> tuple[Logged, str]:
     engine = Logged.spawn(
         folder, name, "engine", "--model", f"fake:{rate}", "--engine-id", name,
         "--redis-url", redis_url, "--log-format", "json", "--metrics-port", "0",
-        "--lease-ms", "1500",
+        "--lease-ms", "1500", *extra,
     )  # fmt: skip
     wait_for_engine(redis_url, name, engine.process)
     return engine, str(engine.wait_for("engine metrics")["url"])
@@ -105,6 +107,28 @@ async def test_running_waiting_and_paused_turns(
     assert running == 1 and metrics[("wsinfer_engine_requests_running", ())] == 0
     assert metrics[("wsinfer_engine_requests_paused_total", ())] == 1
     assert paused["tokens"] >= 1 and "finish_reason" not in paused
+
+
+async def test_turns_queued_in_redis_show_as_the_backlog(
+    tmp_path: Path, redis_url: str, frontend: Frontend
+) -> None:
+    """An engine takes only what its batch has room for; the rest waits in Redis,
+    which its own waiting count cannot see."""
+    engine, url = start_engine(tmp_path, redis_url, "e1", "20", "--max-batch-size", "1")
+    try:
+        client = await Client.open(frontend.port)
+        for _ in range(3):
+            await client.send(type="generate", prompt="Hi", params={"max_new_tokens": 4000})
+            assert (await client.recv())["type"] == "session"
+        deadline = asyncio.get_running_loop().time() + 30  # the next heartbeat
+        while (metrics := scrape(url))[("wsinfer_engine_queued_turns", ())] != 2:
+            assert asyncio.get_running_loop().time() < deadline, metrics
+            await asyncio.sleep(0.2)
+        await client.close()
+    finally:
+        engine.stop()
+    assert metrics[("wsinfer_engine_requests_running", ())] == 1
+    assert metrics[("wsinfer_engine_requests_waiting", ())] == 0
 
 
 async def test_a_takeover_is_logged_and_counted_once_and_only_then(

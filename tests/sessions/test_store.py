@@ -312,13 +312,15 @@ async def test_resume_marks_the_session_watched(
 
 async def test_engines_alive_and_queue_depth(store: SessionStore, worker: WorkerStore) -> None:
     assert await store.engines_alive(5) == 0
-    worker.heartbeat()
+    assert worker.heartbeat() == 0  # no queue yet
     assert await store.engines_alive(5) == 1
     await store.create(CHAT)
     await store.create(CHAT)
     assert await store.queue_depth() == 2
+    assert worker.heartbeat() == 2  # the engine's view of the backlog
     worker.read_work(1, None)
     assert await store.queue_depth() == 1
+    assert worker.heartbeat() == 1
 
 
 async def _finish_turn(worker: WorkerStore, session: str, kv: bool) -> None:
