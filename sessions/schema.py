@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgpack
 
 from wsinfer.contract import ErrorCode
+from wsinfer.sessions import keys
 
 # Settings every process that writes session keys shares. A session records
 # its TTL when it is created, and every later write (a turn, a publish, a
@@ -290,6 +291,15 @@ TurnEvent = DeltaEvent | PausedEvent | DoneEvent
 def as_str(value: Any) -> str:
     """Redis replies come as bytes (or str with decode_responses): text either way."""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def engine_group_lag(groups: list[dict[Any, Any]]) -> int | None:
+    """From an XINFO GROUPS reply: the entries the engines' consumer group has
+    not read yet (turns no engine has taken), or None if it has no such group."""
+    for group in groups:
+        if as_str(group["name"]) == keys.ENGINE_GROUP:
+            return int(group.get("lag") or 0)
+    return None
 
 
 def encode(message: Any) -> dict[Any, Any]:

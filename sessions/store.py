@@ -34,6 +34,7 @@ from wsinfer.sessions.schema import (
     as_str,
     decode_event,
     encode,
+    engine_group_lag,
     pack,
 )
 from wsinfer.sessions.states import Action, IllegalTransition, Status, allowed_from, target
@@ -338,10 +339,8 @@ class SessionStore:
         alive = frozenset(as_str(n) for n in names)
         if isinstance(groups, Exception) or isinstance(length, Exception):
             return alive, 0  # no queue yet: nothing is waiting
-        for group in groups:
-            if as_str(group["name"]) == keys.ENGINE_GROUP:
-                return alive, int(group.get("lag") or 0)
-        return alive, int(length)
+        lag = engine_group_lag(groups)
+        return alive, int(length) if lag is None else lag
 
     async def queue_depth(self) -> int:
         """Turns queued but not yet taken by any engine."""
@@ -349,10 +348,8 @@ class SessionStore:
             groups = await self.redis.xinfo_groups(keys.REQUESTS)
         except aioredis.ResponseError:
             return 0
-        for group in groups:
-            if as_str(group["name"]) == keys.ENGINE_GROUP:
-                return int(group.get("lag") or 0)
-        return int(await self.redis.xlen(keys.REQUESTS))
+        lag = engine_group_lag(groups)
+        return int(await self.redis.xlen(keys.REQUESTS)) if lag is None else lag
 
 
 def _started(session: str, token: str, turn: int, repeat: tuple[int, str] | None) -> Started:

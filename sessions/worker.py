@@ -29,6 +29,7 @@ from wsinfer.sessions.schema import (
     decode_event,
     decode_request,
     encode,
+    engine_group_lag,
     pack,
 )
 from wsinfer.sessions.states import Action, allowed_from, target
@@ -145,7 +146,10 @@ class WorkerStore:
         for reply in done:
             if isinstance(reply, Exception):
                 raise reply
-        return _lag(shared) + _lag(own)
+        return sum(
+            0 if isinstance(groups, Exception) else engine_group_lag(groups) or 0
+            for groups in (shared, own)  # an error: no such queue yet
+        )
 
     def deregister(self) -> None:
         """Mark this engine dead at once; the others drain its own queue.
@@ -390,13 +394,3 @@ class WorkerStore:
             if turn is not None and int(turn) == key[1]:
                 out[key] = (as_str(control or ""), float(seen_at or 0))
         return out
-
-
-def _lag(groups: Any) -> int:
-    """Entries of a queue the engines' consumer group has not read (0: no queue yet)."""
-    if isinstance(groups, Exception):
-        return 0
-    for group in groups:
-        if as_str(group["name"]) == keys.ENGINE_GROUP:
-            return int(group.get("lag") or 0)
-    return 0
