@@ -495,10 +495,12 @@ async def run(args: argparse.Namespace) -> list[str]:
         relay = await relay_section(svc, bare_port, bare_pid, args)
         sessions = await _finished_sessions(svc)
         out += relay + [""]
-        out.append(await reconnect_section(svc, sessions, args.reconnects))
-        print(out[-1], file=sys.stderr, flush=True)
-        out.append(await paced_section(svc, args))
-        print(out[-1], file=sys.stderr, flush=True)
+        if args.reconnects:
+            out.append(await reconnect_section(svc, sessions, args.reconnects))
+            print(out[-1], file=sys.stderr, flush=True)
+        if args.paced_streams:
+            out.append(await paced_section(svc, args))
+            print(out[-1], file=sys.stderr, flush=True)
         svc.start_engine(f"fake:{args.paced_rate}", max(args.idle, args.idle_followed, 16))
         for count, followed in ((args.idle, False), (args.idle_followed, True)):
             if count:

@@ -41,10 +41,11 @@ def _wait(port: int) -> None:
 def sentinel(tmp_path: Path) -> Iterator[tuple[str, list[int]]]:
     primary, replica, sentinel_port = free_ports(3)
     # No diskless-sync delay (5 s by default): the replica is in sync, and a
-    # candidate for Sentinel, as soon as it connects.
+    # candidate for Sentinel, as soon as it connects. The replica writes the
+    # synced RDB to its --dir, so that is the test's own, not the checkout.
     base = [
         "redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-        "--repl-diskless-sync-delay", "0",
+        "--repl-diskless-sync-delay", "0", "--dir", str(tmp_path),
     ]  # fmt: skip
     processes = [
         _start([*base, "--port", str(primary)]),
