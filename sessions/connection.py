@@ -133,6 +133,13 @@ def _to_load(client: Any, scripts: list[Any]) -> list[Any]:
     return [s for s in scripts if (id(client), s.sha) not in _loaded]
 
 
+def load_scripts_once(client: redis.Redis, scripts: list[Any]) -> None:
+    """Load the scripts this process has not loaded on ``client`` yet."""
+    for script in _to_load(client, scripts):
+        client.script_load(script.script)
+        _loaded.add((id(client), script.sha))
+
+
 def _lacks_script(results: list[Any]) -> bool:
     return any(isinstance(r, redis.exceptions.NoScriptError) for r in results)
 
@@ -158,9 +165,11 @@ def run_pipeline_sync(
 ) -> list[Any]:
     """``run_pipeline`` for the engine's synchronous client."""
     for attempt in range(2):
-        for script in _to_load(client, scripts) if attempt == 0 else scripts:
-            client.script_load(script.script)
-            _loaded.add((id(client), script.sha))
+        if attempt == 0:
+            load_scripts_once(client, scripts)
+        else:
+            for script in scripts:
+                client.script_load(script.script)
         pipe = client.pipeline(transaction=False)
         build(pipe)
         results = list(pipe.execute(raise_on_error=False))

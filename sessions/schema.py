@@ -202,6 +202,9 @@ class SessionMeta:
     cached_tokens: int = 0
     kv_engine: str = ""  # the engine holding the session's KV cache
     kv_len: int = 0
+    # Redis time (s) a publish last pushed back the keys' expiry: a running
+    # turn renews it every ttl/16 s, not on every delta (sessions/scripts.py).
+    renewed_at: int = 0
 
     @classmethod
     def from_hash(cls, raw: dict[Any, Any]) -> SessionMeta:

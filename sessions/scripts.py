@@ -9,13 +9,16 @@ encoded by ``schema.pack``: the scripts know the meta hash's fields
 
 A session's keys live ``ttl`` seconds (a field of its meta, set when it is
 created) after each write, whichever process writes: the TTL argument a
-caller passes only stands in for a session that has none recorded.
+caller passes only stands in for a session that has none recorded. A running
+turn's publishes renew it less often, to a little more (see PUBLISH).
 
 Scripts that append to a turn's stream also SPUBLISH on the session's wake
 channel (its third KEY, same slot): on a cluster the frontends' fan-in waits on
 those channels, one connection per node, since one XREAD cannot span slots.
+On one Redis the fan-in blocks in XREAD, and PUBLISH skips them.
 
-Replies are flat arrays whose first element says what happened:
+Replies are flat arrays (PUBLISH's: one per turn, msgpack-encoded) whose first
+element says what happened:
 ``ok``, ``not_found`` (no such session, or wrong token), ``illegal`` (then the
 current status), ``stale`` (the session moved on to another turn), ``fenced``
 (another engine now owns the turn) or ``moved`` (the counters a pre-encoded
@@ -189,69 +192,87 @@ return reply
 # The publish continues from prev_seq: a session whose seq is not that lost
 # writes in a Redis failover (``gap``: the engine must rebuild the turn from
 # the token log rather than leave a hole in the stream).
-# KEYS: per turn: meta, turn_stream, session_wake
-# ARGV: per turn: the number of its arguments, then engine_id, epoch, ttl, seq,
-#       prev_seq ('' = unchecked), final_allowed_from ('' = not final),
-#       final_target, stop_allowed_from, stop_target ('' = no pending stop to
-#       apply), cancelled_event, n_events, events..., then field/value pairs to
-#       set (``pub``: the engine's publish number for this claim, for
-#       idempotent retries)
-# Reply: one reply per turn, in order.
+# The keys' expiry is pushed back on a turn's first publish of a claim, on
+# its last, and otherwise at most every ttl/16 seconds (Redis's clock), to
+# ttl + ttl/16: they still live at least ttl after every write, and two
+# EXPIREs per delta were a quarter of the script's time.
+# The turns come as one msgpack argument, not a dozen arguments each: Redis
+# parsing thousands of arguments, and redis-py encoding them, cost more than
+# the writes (benchmarks/bench_fanout.py). The events inside stay opaque
+# strings (``schema.pack``'s bytes), written as they come.
+# KEYS: per turn: meta, turn_stream, and session_wake when ARGV[3] is '1'
+# ARGV: engine_id, ttl, wake ('1': SPUBLISH each turn's new seq on its wake
+#       channel, which a cluster's fan-in waits on; '0' on one Redis, whose
+#       fan-in blocks in XREAD), then the turns, msgpack: per turn
+#       [epoch, seq, prev_seq (-1 = unchecked), final_allowed_from ('' = not
+#       final), final_target, stop_allowed_from, stop_target ('' = no pending
+#       stop to apply), cancelled_event, [events...], [field, value, ...]];
+#       the fields include ``pub``, the engine's publish number for this
+#       claim, for idempotent retries
+# Reply: msgpack, one reply per turn, in order.
 PUBLISH = (
     _PRELUDE
     + """
--- One turn: its keys, and its arguments ARGV[a + 1] .. ARGV[last].
-local function publish(meta, stream, wake, a, last)
-  if redis.call('EXISTS', meta) == 0 then return {'not_found'} end
+local engine_id, fallback_ttl = ARGV[1], tonumber(ARGV[2])
+local now = tonumber(redis.call('TIME')[1])
+local function publish(meta, stream, wake, t)
   -- One read of every field this decides on: a redis.call from Lua costs
   -- about as much as the work it does, and this runs for every delta.
   local m = redis.call('HMGET', meta, 'engine', 'epoch', 'pub', 'seq', 'status', 'control',
-                       'seen_at', 'ttl')
-  local engine, epoch, published, control, seen_at = m[1], m[2], m[3], m[6], m[7]
-  local n = tonumber(ARGV[a + 11])
-  local first_field = a + 12 + n
+                       'seen_at', 'ttl', 'renewed_at')
+  if not m[2] then return {'not_found'} end  -- every session has an epoch
+  local engine, epoch, control, seen_at = m[1], tonumber(m[2]), m[6] or '', m[7] or ''
+  local events, fields = t[9], t[10]
   -- A retry of a publish Redis already took (the reply was lost to an outage)
   -- is acknowledged without writing anything twice.
   local pub = nil
-  for i = first_field, last, 2 do if ARGV[i] == 'pub' then pub = tonumber(ARGV[i + 1]) end end
-  if pub and epoch == ARGV[a + 2] and (tonumber(published) or 0) >= pub then
+  for i = 1, #fields, 2 do if fields[i] == 'pub' then pub = tonumber(fields[i + 1]) end end
+  if pub and epoch == t[1] and (tonumber(m[3]) or 0) >= pub then
     return {'ok', control, seen_at}
   end
-  if engine ~= ARGV[a + 1] or epoch ~= ARGV[a + 2] then return {'fenced'} end
+  if engine ~= engine_id or epoch ~= t[1] then return {'fenced'} end
   local have = tonumber(m[4]) or 0
-  if ARGV[a + 5] ~= '' and have ~= tonumber(ARGV[a + 5]) then return {'gap', tostring(have)} end
-  local final = ARGV[a + 6] ~= ''
-  local status = m[5]
-  if final and not allowed(status, ARGV[a + 6]) then return {'illegal', status} end
-  local stop_pending = final and ARGV[a + 9] ~= '' and control == 'stop'
-    and allowed(ARGV[a + 7], ARGV[a + 8])
-  local written = n
-  if stop_pending then written = n - 1 end  -- the paused event gives way to the done
-  for i = 1, written do redis.call('XADD', stream, '*', 'm', ARGV[a + 11 + i]) end
-  local fields = {'seq', ARGV[a + 4]}
-  for i = first_field, last do fields[#fields + 1] = ARGV[i] end
-  redis.call('HSET', meta, unpack(fields))
+  if t[3] >= 0 and have ~= t[3] then return {'gap', tostring(have)} end
+  local final = t[4] ~= ''
+  if final and not allowed(m[5], t[4]) then return {'illegal', m[5]} end
+  local stop_pending = final and t[7] ~= '' and control == 'stop' and allowed(t[5], t[6])
+  local written = #events
+  if stop_pending then written = written - 1 end  -- the paused event gives way to the done
+  for i = 1, written do redis.call('XADD', stream, '*', 'm', events[i]) end
+  local seq = tostring(t[2])
+  local ttl = tonumber(m[8]) or fallback_ttl
+  local slack = math.floor(ttl / 16)
+  local renew = final or pub == nil or pub == 1 or now - (tonumber(m[9]) or 0) >= slack
+  if renew then
+    redis.call('HSET', meta, 'seq', seq, 'renewed_at', now, unpack(fields))
+  else
+    redis.call('HSET', meta, 'seq', seq, unpack(fields))
+  end
   if stop_pending then
-    cancel(meta, stream, ARGV[a + 10], ARGV[a + 9])
+    cancel(meta, stream, t[8], t[7])
     control = ''
   elseif final then
-    redis.call('HSET', meta, 'status', ARGV[a + 7], 'control', '')
+    redis.call('HSET', meta, 'status', t[5], 'control', '')
     control = ''
   end
   if final then redis.call('HSET', meta, 'engine', '') end
-  if written > 0 or stop_pending then redis.call('SPUBLISH', wake, ARGV[a + 4]) end
-  local ttl = tonumber(m[8]) or tonumber(ARGV[a + 3])
-  redis.call('EXPIRE', meta, ttl)
-  redis.call('EXPIRE', stream, ttl)
+  if wake and (written > 0 or stop_pending) then redis.call('SPUBLISH', wake, seq) end
+  if renew then
+    redis.call('EXPIRE', meta, ttl + slack)
+    redis.call('EXPIRE', stream, ttl + slack)
+  end
   return {'ok', control, seen_at}
 end
-local replies, a = {}, 0
-for t = 1, #KEYS / 3 do
-  local count = tonumber(ARGV[a + 1])
-  replies[t] = publish(KEYS[3 * t - 2], KEYS[3 * t - 1], KEYS[3 * t], a + 1, a + 1 + count)
-  a = a + 1 + count
+local turns, width = cmsgpack.unpack(ARGV[4]), 2
+if ARGV[3] == '1' then width = 3 end
+local replies = {}
+for i, t in ipairs(turns) do
+  local k = width * (i - 1)
+  local wake = false
+  if width == 3 then wake = KEYS[k + 3] end
+  replies[i] = publish(KEYS[k + 1], KEYS[k + 2], wake, t)
 end
-return replies
+return cmsgpack.pack(replies)
 """
 )
 

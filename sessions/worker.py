@@ -16,6 +16,7 @@ import redis
 
 from wsinfer.sessions import keys, scripts
 from wsinfer.sessions.connect import ScriptCall, is_cluster, run_scripts
+from wsinfer.sessions.connection import load_scripts_once
 from wsinfer.sessions.schema import (
     DEFAULT_SESSION_TTL_S,
     DeltaEvent,
@@ -88,6 +89,57 @@ class Publish:
         if isinstance(last, PausedEvent):
             return Action.ENGINE_PAUSE
         return None
+
+
+class PendingPublish:
+    """A step's PUBLISH call on its way: sent on a connection of its own, its
+    reply read by ``result`` once the engine has computed the next step."""
+
+    def __init__(
+        self,
+        store: WorkerStore,
+        publishes: list[Publish],
+        results: list[PublishResult] | None = None,
+    ) -> None:
+        self.store = store
+        self.publishes = publishes
+        self._results = results
+        self._connection: Any = None
+
+    def send(self, call_keys: list[str], args: list[Any]) -> None:
+        load_scripts_once(self.store.redis, [self.store._publish])
+        pool = self.store.redis.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_command(
+                "EVALSHA", self.store._publish.sha, len(call_keys), *call_keys, *args
+            )
+        except BaseException:
+            connection.disconnect()
+            pool.release(connection)
+            raise
+        self._connection = connection
+
+    def result(self) -> list[PublishResult]:
+        """The replies, in order; raises what a failed call raises (then
+        nothing is known of what Redis took: publish the same items again)."""
+        if self._results is not None:
+            return self._results
+        pool, connection = self.store.redis.connection_pool, self._connection
+        self._connection = None
+        try:
+            reply = connection.read_response()
+        except redis.exceptions.NoScriptError:  # a Redis restarted empty: the call did nothing
+            pool.release(connection)
+            self._results = self.store.publish_many(self.publishes)  # loads the script, again
+            return self._results
+        except BaseException:
+            connection.disconnect()  # its reply is lost: nobody may read it in its place
+            pool.release(connection)
+            raise
+        pool.release(connection)
+        self._results = self.store._publish_results(reply, len(self.publishes))
+        return self._results
 
 
 @dataclass(frozen=True)
@@ -324,65 +376,74 @@ class WorkerStore:
     def publish_many(self, publishes: list[Publish]) -> list[PublishResult]:
         """One round trip for a whole step's events, each fenced by its epoch:
         one script call for the step on one Redis, one call per turn on a
-        cluster (a call's keys must share a slot)."""
+        cluster (a call's keys must share a slot, and its fan-in waits on
+        each session's wake channel)."""
         if not publishes:
             return []
-        groups = [[item] for item in publishes] if is_cluster(self.redis) else [publishes]
-        calls: list[ScriptCall] = []
-        for group in groups:
-            call_keys: list[str] = []
-            call_args: list[Any] = []
-            for item in group:
-                call_keys += [
-                    keys.meta(item.session),
-                    keys.turn_stream(item.session, item.turn),
-                    keys.session_wake(item.session),
-                ]
-                args = self._publish_args(item)
-                call_args += [len(args), *args]
-            calls.append((self._publish, call_keys, call_args))
+        cluster = is_cluster(self.redis)
+        groups = [[item] for item in publishes] if cluster else [publishes]
+        calls: list[ScriptCall] = [(self._publish, *self._publish_call(g, cluster)) for g in groups]
         results: list[PublishResult] = []
         for group, reply in zip(groups, run_scripts(self.redis, calls), strict=True):
             if isinstance(reply, Exception):
                 raise reply
-            if len(reply) != len(group):
-                raise ValueError(f"publish answered {len(reply)} of {len(group)} turns")
-            results += [self._publish_result(one) for one in reply]
+            results += self._publish_results(reply, len(group))
         return results
 
-    def _publish_args(self, item: Publish) -> list[Any]:
+    def publish_start(self, publishes: list[Publish]) -> PendingPublish:
+        """``publish_many``, sent now and answered by ``PendingPublish.result``:
+        the engine computes its next step while Redis writes this one. On a
+        cluster (a call per turn, to several nodes) the calls run now."""
+        if not publishes or is_cluster(self.redis):
+            return PendingPublish(self, publishes, self.publish_many(publishes))
+        pending = PendingPublish(self, publishes)
+        pending.send(*self._publish_call(publishes, cluster=False))
+        return pending
+
+    def _publish_call(self, group: list[Publish], cluster: bool) -> tuple[list[str], list[Any]]:
+        call_keys: list[str] = []
+        for item in group:
+            call_keys += [keys.meta(item.session), keys.turn_stream(item.session, item.turn)]
+            if cluster:
+                call_keys.append(keys.session_wake(item.session))
+        turns = msgpack.packb([self._publish_turn(item) for item in group], use_bin_type=False)
+        return call_keys, [self.engine_id, self.ttl_s, "1" if cluster else "0", turns]
+
+    def _publish_results(self, reply: bytes, count: int) -> list[PublishResult]:
+        replies = msgpack.unpackb(reply, raw=False)
+        if len(replies) != count:
+            raise ValueError(f"publish answered {len(replies)} of {count} turns")
+        return [self._publish_result(one) for one in replies]
+
+    def _publish_turn(self, item: Publish) -> list[Any]:
+        """One turn of a PUBLISH call (its layout is the script's)."""
         final = item.final_action
         # A pause can meet a stop the client sent meanwhile: the script then
         # applies the stop (the table's paused --stop--> done) in the same call.
         stop = final is Action.ENGINE_PAUSE
         if stop and item.if_stopped is None:
             raise ValueError("a pause must say what it becomes if a stop got there first")
-        args: list[Any] = [
-            self.engine_id,
+        fields: list[str] = []
+        for name, value in item.fields.items():  # strings: Lua would print big numbers as 1e+15
+            fields += [name, str(value)]
+        return [
             item.epoch,
-            self.ttl_s,
             item.seq,
-            "" if item.prev_seq is None else item.prev_seq,
+            -1 if item.prev_seq is None else item.prev_seq,
             _csv(allowed_from(final)) if final else "",
             target(final).value if final else "",
             _csv(allowed_from(Action.STOP)) if stop else "",
             target(Action.STOP).value if stop else "",
             pack(item.if_stopped) if item.if_stopped and stop else "",
-            len(item.events),
+            [pack(event) for event in item.events],
+            fields,
         ]
-        args += [pack(event) for event in item.events]
-        for name, value in item.fields.items():
-            args += [name, value]
-        return args
 
     @staticmethod
-    def _publish_result(reply: Any) -> PublishResult:
-        if isinstance(reply, Exception):
-            raise reply
-        flat = [as_str(v) for v in reply]
-        if flat[0] != "ok":
-            return PublishResult(flat[0])
-        return PublishResult("ok", flat[1], float(flat[2] or 0))
+    def _publish_result(reply: list[str]) -> PublishResult:
+        if reply[0] != "ok":
+            return PublishResult(reply[0])
+        return PublishResult("ok", reply[1], float(reply[2] or 0))
 
     def poll(self, sessions: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[str, float]]:
         """Control flag and last-watched time of each turn; missing = session gone."""

@@ -479,15 +479,98 @@ def test_the_scripts_use_only_the_meta_fields_of_the_record() -> None:
     assert named <= set(SessionMeta.__dataclass_fields__), named - set(
         SessionMeta.__dataclass_fields__
     )
-    assert "cmsgpack" not in lua  # events come encoded by schema.pack
+    # Events come encoded by schema.pack and stay opaque: msgpack is only
+    # PUBLISH's envelope of a step's turns (and of its replies).
+    assert re.findall(r"cmsgpack\.\w+\([^)]*\)", lua) == [
+        "cmsgpack.unpack(ARGV[4])",
+        "cmsgpack.pack(replies)",
+    ]
 
 
 _LUA_WORDS = {
     "HGET", "HMGET", "HSET", "HINCRBY", "HGETALL", "EXISTS", "EXPIRE", "DEL", "SET", "EX", "XADD",
-    "SPUBLISH", "ok", "not_found", "illegal", "stale", "fenced", "gap", "moved", "mode",
+    "SPUBLISH", "TIME", "ok", "not_found", "illegal", "stale", "fenced", "gap", "moved", "mode",
     "exists", "new", "done", "stop", "repeat", "m", "control:", "done_cancelled", "paused",
     "requeue", "1",
 }  # fmt: skip
+
+
+async def test_a_running_turn_renews_its_expiry_every_sixteenth_of_the_ttl(
+    aredis: aioredis.Redis, redis_client: redis.Redis
+) -> None:
+    """Not on every delta (two EXPIREs per delta were a quarter of the publish
+    script), yet the keys always live at least the TTL after each write."""
+    store = SessionStore(aredis, ttl_s=160)  # renewed every 10 s, to 170 s
+    session, _ = await store.create(CHAT)
+    worker = WorkerStore(redis_client, "engine-a", ttl_s=160)
+    worker.ensure_group()
+    _, claimed = _claim_next(worker)
+    meta, stream = keys.meta(session), keys.turn_stream(session, 1)
+
+    def publish(seq: int, pub: int, final: bool = False) -> None:
+        events: list = [DeltaEvent(seq, "a", [seq])]
+        if final:
+            events.append(DoneEvent(seq, "length", Usage(1, seq)))
+        item = Publish(session, 1, claimed.epoch, seq, events, {"pub": pub}, seq - 1)
+        assert worker.publish_many([item])[0].outcome == "ok"
+
+    def ttls() -> list[int]:
+        return [redis_client.ttl(meta), redis_client.ttl(stream)]
+
+    publish(1, 1)  # a claim's first publish renews: the stream is new
+    assert all(160 < ttl <= 170 for ttl in ttls()), ttls()
+    redis_client.expire(meta, 100)  # as if 70 s went by without a renewal
+    redis_client.expire(stream, 100)
+    publish(2, 2)  # renewed less than 10 s ago: no EXPIRE
+    assert all(ttl <= 100 for ttl in ttls()), ttls()
+    redis_client.hset(meta, "renewed_at", int(redis_client.time()[0]) - 10)
+    publish(3, 3)
+    assert all(160 < ttl <= 170 for ttl in ttls()), ttls()
+    redis_client.expire(meta, 100)
+    redis_client.expire(stream, 100)
+    publish(4, 4, final=True)  # the last write of the turn always renews
+    assert all(160 < ttl <= 170 for ttl in ttls()), ttls()
+
+
+async def test_a_publish_sent_ahead_is_answered_later_even_across_a_script_flush(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    """The engine sends a step's publish and reads the reply after its next
+    step: the same outcome as a plain call, and a Redis that lost its scripts
+    meanwhile (restarted empty) still gets the step, once."""
+    session, _ = await store.create(CHAT)
+    _, claimed = _claim_next(worker)
+
+    def delta(seq: int) -> Publish:
+        return Publish(session, 1, claimed.epoch, seq, [DeltaEvent(seq, "a", [seq])], {"pub": seq})
+
+    pending = worker.publish_start([delta(1)])
+    stream = keys.turn_stream(session, 1)
+    deadline = time.monotonic() + 5
+    while redis_client.xlen(stream) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert redis_client.xlen(stream) == 1  # written before anyone reads the reply
+    assert [r.outcome for r in pending.result()] == ["ok"]
+    redis_client.script_flush()
+    assert [r.outcome for r in worker.publish_start([delta(2)]).result()] == ["ok"]
+    assert worker.read_generated(session, 1) == ([1, 2], 2)
+
+
+async def test_a_publish_whose_reply_is_lost_is_sent_again_and_taken_once(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    session, _ = await store.create(CHAT)
+    _, claimed = _claim_next(worker)
+    item = Publish(session, 1, claimed.epoch, 1, [DeltaEvent(1, "a", [7])], {"pub": 1})
+    pending = worker.publish_start([item])
+    deadline = time.monotonic() + 5
+    while not redis_client.exists(keys.turn_stream(session, 1)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pending._connection.disconnect()  # Redis took the call; its reply is lost
+    with pytest.raises(redis.ConnectionError):
+        pending.result()
+    assert [r.outcome for r in worker.publish_start([item]).result()] == ["ok"]
+    assert worker.read_generated(session, 1) == ([7], 1)
 
 
 async def test_one_step_publishes_many_turns_each_with_its_own_outcome(
