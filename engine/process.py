@@ -38,7 +38,15 @@ from wsinfer.sessions.schema import (
     TurnEvent,
     Usage,
 )
-from wsinfer.sessions.worker import ClaimedTurn, Publish, TurnHistory, WorkerStore, WorkItem
+from wsinfer.sessions.worker import (
+    ClaimedTurn,
+    PendingPublish,
+    Publish,
+    PublishResult,
+    TurnHistory,
+    WorkerStore,
+    WorkItem,
+)
 from wsinfer.startup import StartupError, require_redis, serve_metrics
 
 log = structlog.get_logger("wsinfer.engine")
@@ -75,6 +83,11 @@ class ActiveTurn:
     seq: int = 0
     announced: bool = False  # prompt_tokens recorded in the session meta
     published: int = 0  # publishes Redis took since the claim (makes a retry idempotent)
+    # Monotonic time its control flag and last-watched time were last read:
+    # each publish's reply carries both, so only turns that published nothing
+    # for a poll interval (waiting for a batch slot, a long prefill) are polled.
+    checked_at: float = 0.0
+    idle_paused: bool = False  # the idle limit asked the core to pause it
 
 
 class EngineProcess:
@@ -101,7 +114,14 @@ class EngineProcess:
         self._next_takeover = 0.0
         self._next_poll = 0.0
         self._guard = OutageGuard(config.engine_id, store.ensure_group)
-        self._unpublished: list[RequestOutput] = []  # a step whose publish met an outage
+        # Publishing overlaps the next step: a step's call is sent, and its
+        # replies read after the next step is computed (Redis writes while the
+        # engine computes). ``_outbox``: the publishes sent or to send again,
+        # until Redis answers them; ``_pending``: their call in flight;
+        # ``_unpublished``: a step computed while an outage held up the one before.
+        self._outbox: list[tuple[str, Publish]] = []
+        self._pending: PendingPublish | None = None
+        self._unpublished: list[RequestOutput] = []
 
     # --- lifecycle --------------------------------------------------------------
 
@@ -123,6 +143,7 @@ class EngineProcess:
             # waiting for a lease to run out. If Redis is gone too, the leases
             # expire and the same happens later.
             try:
+                self._collect()  # the last step's replies: its finished turns are done
                 held = [(t.work, t.epoch) for r, t in self.active.items() if r not in self.discard]
                 self.store.release(held)
                 self.store.deregister()
@@ -159,15 +180,17 @@ class EngineProcess:
         if now >= self._next_takeover and not draining:
             self._next_takeover = now + self.config.lease_ms / 2000
             self._admit(self.store.take_over_expired(self.config.lease_ms, self._capacity()), True)
-        busy = self.core.has_unfinished()
+        busy = self.core.has_unfinished() or self._pending is not None
         block = None if busy else self.config.idle_block_ms
         if self._capacity() > 0 and not draining:
             self._admit(self.store.read_work(self._capacity(), block), False)
-        if self._unpublished:  # never step past output Redis has not taken
-            self._publish(self._unpublished)
+        if self._unpublished or (self._outbox and self._pending is None):
+            self._catch_up()  # an outage stopped publishing: never step past it
         elif self.core.has_unfinished():
             self._poll_controls()
             self._step()
+        else:
+            self._collect()
         return not (self.config.drain and not busy and not self.core.has_unfinished())
 
     def _heartbeat(self, now: float) -> None:
@@ -274,9 +297,14 @@ class EngineProcess:
         if now < self._next_poll or not self.active:
             return
         self._next_poll = now + self.config.poll_interval_s
+        stale = now - self.config.poll_interval_s
         turns = {
-            (t.session, t.turn): rid for rid, t in self.active.items() if rid not in self.discard
+            (t.session, t.turn): rid
+            for rid, t in self.active.items()
+            if rid not in self.discard and t.checked_at <= stale
         }
+        if not turns:  # every turn published within the interval: its reply said it all
+            return
         states = self.store.poll(list(turns))
         wall = time.time()
         for key, request_id in turns.items():
@@ -284,11 +312,18 @@ class EngineProcess:
                 self._drop(request_id, forget_cache=True)
                 continue
             control, seen_at = states[key]
-            if control in ("stop", "pause"):
-                self.core.abort(request_id, pause=control == "pause")
-            elif wall - seen_at > self.config.idle_pause_s:
-                log.info("pausing idle turn", session=key[0], turn=key[1])
-                self.core.abort(request_id, pause=True)
+            self._apply_control(request_id, control, seen_at, wall)
+
+    def _apply_control(self, request_id: str, control: str, seen_at: float, wall: float) -> None:
+        """Act on a turn's control flag (stop, pause) or on nobody watching it."""
+        turn = self.active[request_id]
+        turn.checked_at = time.monotonic()
+        if control in ("stop", "pause"):
+            self.core.abort(request_id, pause=control == "pause")
+        elif wall - seen_at > self.config.idle_pause_s and not turn.idle_paused:
+            turn.idle_paused = True
+            log.info("pausing idle turn", session=turn.session, turn=turn.turn)
+            self.core.abort(request_id, pause=True)
 
     def _drop(self, request_id: str, *, forget_cache: bool = False, ack: bool = True) -> None:
         self.discard.add(request_id)
@@ -313,7 +348,8 @@ class EngineProcess:
                 self.core.abort(request_id)
             self.core.step()  # flush the aborts
         self._unpublished = outputs
-        self._publish(outputs)
+        self._collect()  # the previous step's replies; an outage raises, keeping both
+        self._publish(self._unpublished)
 
     def _crashed_output(self, request_id: str, exc: Exception) -> RequestOutput:
         turn = self.active[request_id]
@@ -330,6 +366,7 @@ class EngineProcess:
     # --- publishing ------------------------------------------------------------------
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Send a step's outputs to Redis; ``_collect`` reads the replies."""
         publishes: list[tuple[str, Publish]] = []
         for out in outputs:
             if out.request_id in self.discard:
@@ -338,13 +375,32 @@ class EngineProcess:
             turn = self.active.get(out.request_id)
             if turn is not None:
                 publishes.append((out.request_id, self._to_publish(turn, out)))
-        if not publishes:
-            self._unpublished = []
-            return
-        results = self.store.publish_many([p for _, p in publishes])
         self._unpublished = []
-        for (request_id, item), result in zip(publishes, results, strict=True):
-            self._after_publish(request_id, item, result.outcome)
+        if publishes:
+            self._outbox = publishes
+            self._pending = self.store.publish_start([p for _, p in publishes])
+
+    def _collect(self) -> None:
+        """Act on the replies to the call in flight, if any. An outage raises
+        and leaves the outbox to be sent again (the script takes a repeat once)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        results = pending.result()
+        outbox, self._outbox = self._outbox, []
+        wall = time.time()
+        for (request_id, item), result in zip(outbox, results, strict=True):
+            self._after_publish(request_id, item, result, wall)
+
+    def _catch_up(self) -> None:
+        """After an outage: the publishes Redis has not answered, then the step
+        computed meanwhile, each waited for, before the engine steps again."""
+        if self._outbox and self._pending is None:
+            self._pending = self.store.publish_start([p for _, p in self._outbox])
+        self._collect()
+        if self._unpublished:
+            self._publish(self._unpublished)
+            self._collect()
 
     def _to_publish(self, turn: ActiveTurn, out: RequestOutput) -> Publish:
         events: list[TurnEvent] = []
@@ -376,10 +432,15 @@ class EngineProcess:
             if_stopped,
         )
 
-    def _after_publish(self, request_id: str, item: Publish, outcome: str) -> None:
-        turn = self.active[request_id]
+    def _after_publish(
+        self, request_id: str, item: Publish, result: PublishResult, wall: float
+    ) -> None:
+        turn = self.active.get(request_id)
+        if turn is None:  # handed back meanwhile (a drain's release)
+            return
         turn.announced = True
         turn.published += 1
+        outcome = result.outcome
         if outcome != "ok":
             # fenced (taken over), not_found (closed) or illegal: stop running it.
             log.warning("turn lost", session=turn.session, turn=turn.turn, outcome=outcome)
@@ -399,6 +460,8 @@ class EngineProcess:
             cached = int(item.fields.get("cached_tokens", 0))
             self.metrics.turn_ended(request_id, item.events[-1], cached)
             self._forget(request_id)
+        else:
+            self._apply_control(request_id, result.control, result.seen_at, wall)
 
     def _forget(self, request_id: str) -> None:
         self.active.pop(request_id, None)
