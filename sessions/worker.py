@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import msgpack
@@ -81,7 +82,7 @@ class Publish:
     # What a final paused event becomes if the client's stop got there first.
     if_stopped: DoneEvent | None = None
 
-    @property
+    @cached_property  # asked three times a publish, once per delta
     def final_action(self) -> Action | None:
         last = self.events[-1] if self.events else None
         if isinstance(last, DoneEvent):

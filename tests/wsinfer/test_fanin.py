@@ -136,3 +136,28 @@ async def test_raw_replies_are_read_in_either_resp_version(redis_url: str, proto
         await fan.close()
         await client.delete(*streams)
         await client.aclose()
+
+
+async def test_subscribers_at_different_positions_each_get_only_what_they_have_not_seen(
+    redis_url: str,
+) -> None:
+    """One batch of a stream, three followers: from before it, from inside it
+    (a resume racing the live read), and from its end."""
+    client = aioredis.from_url(redis_url)
+    fan = FanIn(client, "f-test")
+    stream = keys.turn_stream("s", 1)
+    ids = [await client.xadd(stream, encode(DeltaEvent(seq, f"t{seq}"))) for seq in (1, 2, 3)]
+    entries = [(i.decode(), f[b"m"]) for i, f in await client.xrange(stream)]
+    got: dict[str, list[int]] = {}
+    for owner, position in (
+        ("before", "0-0"),
+        ("inside", ids[0].decode()),
+        ("end", ids[2].decode()),
+    ):
+        got[owner], deliver = collector()
+        fan.subscribe(stream, owner, position, deliver)
+    fan._dispatch(stream, entries)
+    assert got == {"before": [1, 2, 3], "inside": [2, 3], "end": []}
+    fan._dispatch(stream, entries)  # the same entries again (a re-read): nothing twice
+    assert got == {"before": [1, 2, 3], "inside": [2, 3], "end": []}
+    await client.aclose()
