@@ -280,25 +280,18 @@ class FanIn:
         if entry is None:
             return
         entry.last_data = time.monotonic()
-        # Hot path (every delta of every followed turn): each event is decoded
-        # once, and ids are parsed one by one only for a subscriber whose
-        # position falls inside this batch (a resume racing the live read).
-        events = [decode_event_payload(raw) for _, raw in entries]
-        first_key, last_id = _id_key(entries[0][0]), entries[-1][0]
-        last_key = _id_key(last_id)
+        # Hot path (every delta of every followed turn): each id is parsed once.
+        decoded = [(_id_key(entry_id), decode_event_payload(raw)) for entry_id, raw in entries]
+        last_id, last_key = entries[-1][0], decoded[-1][0]
         for owner, sub in list(entry.subscribers.items()):
             if sub.paused:
                 continue
             seen = _id_key(sub.position)
-            if last_key <= seen:
-                continue
-            if first_key > seen:
-                fresh = events
-            else:
-                pairs = zip(entries, events, strict=True)
-                fresh = [ev for (entry_id, _), ev in pairs if _id_key(entry_id) > seen]
-            sub.position = last_id
-            sub.deliver(fresh)
+            fresh = [ev for key, ev in decoded if key > seen]
+            if last_key > seen:
+                sub.position = last_id
+            if fresh:
+                sub.deliver(fresh)
             if any(isinstance(ev, DoneEvent) for ev in fresh):
                 self.unsubscribe(owner)
 
