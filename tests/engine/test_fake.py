@@ -135,3 +135,17 @@ def test_the_batch_limit_leaves_the_rest_waiting() -> None:
     assert {o.request_id for o in core.step()} == {"r0", "r1"}
     with pytest.raises(ValueError):
         core.add(request("r0"))
+
+
+def test_at_a_set_rate_the_whole_batch_steps_together() -> None:
+    """As a real engine: 20 streams at 50 tokens/s each, started at different
+    times, take about 50 steps a second between them, not one per token."""
+    core = FakeCore(FakeSpec(50.0), max_batch_size=32)
+    for i in range(20):
+        core.add(request(f"s{i}", n=10))
+        time.sleep(0.001)
+    steps_with_tokens = 0
+    while core.has_unfinished():
+        if any(out.new_token_ids for out in core.step()):
+            steps_with_tokens += 1
+    assert steps_with_tokens <= 15  # 10 tokens each at 50/s: ~11 steps (one per token, 200)
