@@ -50,16 +50,11 @@ class Control:
 
 
 @dataclass(frozen=True)
-class Watch:
-    """Mark the session watched now (not at the next touch tick) and keep it alive."""
-
-    session: str
-    turn: int
-
-
-@dataclass(frozen=True)
 class ReadTurn:
-    """Every event of a turn so far, for a replay of what follows ``after``."""
+    """Every event of a turn so far, for a replay of what follows ``after``;
+    the session is marked watched at the same time (not at the next touch
+    tick), so a running turn is not idle-paused under a client that has just
+    come back, and its keys are kept alive."""
 
     session: str
     turn: int
@@ -86,9 +81,7 @@ class CloseSession:
     token: str
 
 
-Command = (
-    Admit | StartTurn | Lookup | Control | Watch | ReadTurn | Subscribe | Unsubscribe | CloseSession
-)
+Command = Admit | StartTurn | Lookup | Control | ReadTurn | Subscribe | Unsubscribe | CloseSession
 
 # --- events (I/O -> protocol) -----------------------------------------------------------
 
@@ -132,14 +125,10 @@ class Refused:
 
 
 @dataclass(frozen=True)
-class Watched:
-    found: bool  # False: the session no longer exists
-
-
-@dataclass(frozen=True)
 class TurnRead:
     events: list[TurnEvent]
     last_id: str  # the stream position to follow live from
+    found: bool = True  # False: the session no longer exists
 
 
-Event = Admitted | TurnStarted | TurnFound | Controlled | Refused | Watched | TurnRead
+Event = Admitted | TurnStarted | TurnFound | Controlled | Refused | TurnRead

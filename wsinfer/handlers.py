@@ -11,6 +11,7 @@ request's ``HttpPeer`` (http/peer.py) each provide a ``Peer``.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 from wsinfer.commands import (
@@ -30,8 +31,6 @@ from wsinfer.commands import (
     TurnRead,
     TurnStarted,
     Unsubscribe,
-    Watch,
-    Watched,
 )
 from wsinfer.contract import TurnStatus
 from wsinfer.errors import (
@@ -139,11 +138,14 @@ class Handlers:
         return await self._execute_reads(command)
 
     async def _execute_reads(self, command: Command) -> Event | None:
-        if isinstance(command, Watch):
-            gone = await self.store.touch({command.session: command.turn})
-            return Watched(found=not gone)
         if isinstance(command, ReadTurn):
-            events, last_id = await self.store.read_turn(command.session, command.turn)
+            # Watched and read at once: a resume waits for one round trip, not two.
+            gone, (events, last_id) = await asyncio.gather(
+                self.store.touch({command.session: command.turn}),
+                self.store.read_turn(command.session, command.turn),
+            )
+            if gone:
+                return TurnRead([], "0-0", found=False)
             replayed = sum(isinstance(e, DeltaEvent) and e.seq > command.after for e in events)
             self.frontend.metrics.replayed.inc(replayed)
             return TurnRead(events, last_id)

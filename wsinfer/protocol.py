@@ -42,8 +42,6 @@ from wsinfer.commands import (
     TurnRead,
     TurnStarted,
     Unsubscribe,
-    Watch,
-    Watched,
 )
 from wsinfer.contract import (
     ClientMessageType,
@@ -269,14 +267,15 @@ class ConnectionProtocol:
     def _attach(self, session: str, turn: int, after: int, resumed_at: int | None = None) -> Steps:
         """Replay the turn after ``after``, then follow it live from the last
         entry read, so nothing falls between the two; anything sent twice is
-        dropped by ``seq``. Watched at once, so a running turn is not idle-paused
-        under a client that has just come back. ``resumed_at``: this request
-        has just resumed the turn, paused at that seq."""
-        if not _expect((yield Watch(session, turn)), Watched).found:
-            raise NotFound(NO_SUCH_SESSION)
+        dropped by ``seq``. The read marks the session watched too (one round
+        trip), so a running turn is not idle-paused under a client that has
+        just come back. ``resumed_at``: this request has just resumed the
+        turn, paused at that seq."""
         self.follow(session, turn, after)
         try:
             read = _expect((yield ReadTurn(session, turn, after)), TurnRead)
+            if not read.found:
+                raise NotFound(NO_SUCH_SESSION)
         except WsinferError:  # do not leave a feed that nothing feeds
             self.unfollow(session)
             yield Unsubscribe(session)

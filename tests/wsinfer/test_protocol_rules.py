@@ -32,8 +32,6 @@ from wsinfer.commands import (
     TurnRead,
     TurnStarted,
     Unsubscribe,
-    Watch,
-    Watched,
 )
 from wsinfer.contract import ClientMessageType, ErrorCode, ServerMessageType, TurnStatus
 from wsinfer.errors import NotFound, StoreUnavailable, WsinferError
@@ -69,6 +67,7 @@ class ModelStore:
     idem: dict[str, int] = field(default_factory=dict)  # idempotency key -> turn
     commands: list[Command] = field(default_factory=list)
     fail_on: type | None = None  # a command kind that raises an outage
+    gone: bool = False  # closed or expired between the lookup and the read
     history: list[TurnEvent] = field(default_factory=list)  # the latest turn's stream
 
     def __post_init__(self) -> None:
@@ -91,9 +90,9 @@ class ModelStore:
             return self._start(command.request)
         if isinstance(command, Control):
             return self._control(command.action)
-        if isinstance(command, Watch):
-            return Watched(found=True)
         if isinstance(command, ReadTurn):
+            if self.gone:
+                return TurnRead([], "0-0", found=False)
             if command.turn < self.turn:  # an earlier turn: it ended
                 return TurnRead([DeltaEvent(1, "old"), DoneEvent(1, "stop")], "0-1")
             return TurnRead(list(self.history), "1-1")
@@ -261,9 +260,9 @@ def _check_attached_if_new(store: ModelStore, proto: ConnectionProtocol, followi
     """stop/pause from a connection that does not follow the session attach it
     from the current seq: nothing is replayed but the turn's end or pause."""
     if following:
-        assert Watch not in store.kinds() and ReadTurn not in store.kinds()
+        assert ReadTurn not in store.kinds()
         return
-    assert store.commands[1:3] == [Watch(S, 1), ReadTurn(S, 1, SEQ)]
+    assert store.commands[1] == ReadTurn(S, 1, SEQ)
     for message in proto._outbox:
         assert message["type"] != "delta"
 
@@ -380,6 +379,16 @@ def test_an_outage_while_attaching_leaves_no_feed() -> None:
     assert isinstance(error, StoreUnavailable) and error.retry_after == 1.0
     assert S not in proto.feeds
     assert store.commands[-1] == Unsubscribe(S)
+
+
+def test_a_session_gone_while_attaching_is_not_found_and_leaves_no_feed() -> None:
+    store = ModelStore(TurnStatus.RUNNING, gone=True)
+    proto = connection(store, following=False)
+    error = drive(proto, message_for(ClientMessageType.RESUME), store)
+    assert isinstance(error, NotFound)
+    assert S not in proto.feeds
+    assert store.commands[-1] == Unsubscribe(S)
+    assert Subscribe not in store.kinds()
 
 
 @pytest.mark.parametrize("kind", list(ClientMessageType))
