@@ -244,10 +244,10 @@ local function publish(meta, stream, wake, t)
   local slack = math.floor(ttl / 16)
   local renew = final or pub == nil or pub == 1 or now - (tonumber(m[9]) or 0) >= slack
   if renew then
-    redis.call('HSET', meta, 'seq', seq, 'renewed_at', now, unpack(fields))
-  else
-    redis.call('HSET', meta, 'seq', seq, unpack(fields))
+    fields[#fields + 1] = 'renewed_at'
+    fields[#fields + 1] = now
   end
+  redis.call('HSET', meta, 'seq', seq, unpack(fields))
   if stop_pending then
     cancel(meta, stream, t[8], t[7])
     control = ''
@@ -268,9 +268,7 @@ if ARGV[3] == '1' then width = 3 end
 local replies = {}
 for i, t in ipairs(turns) do
   local k = width * (i - 1)
-  local wake = false
-  if width == 3 then wake = KEYS[k + 3] end
-  replies[i] = publish(KEYS[k + 1], KEYS[k + 2], wake, t)
+  replies[i] = publish(KEYS[k + 1], KEYS[k + 2], width == 3 and KEYS[k + 3], t)
 end
 return cmsgpack.pack(replies)
 """
