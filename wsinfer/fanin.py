@@ -7,6 +7,13 @@ Each subscriber has its own position; the XREAD asks each stream from the
 furthest-behind subscriber, and each entry goes only to subscribers that have
 not seen it.
 
+Exactly once rests on one rule (docs/architecture.md, step 6): a
+subscriber's position only moves over entries handed to it. A reply holds the
+entries after the position its read was sent with, and nothing before it; a
+subscriber that is behind that position when the reply comes (it subscribed,
+or was resumed, while the read was in flight) is handed nothing from it and
+keeps its position: the next read starts from it.
+
 Streams are split hot and cold. One XREAD names every stream it reads, and the
 hot one is re-sent after each batch of entries, many times a second under
 load: a stream quiet for ``COLD_AFTER_S`` (a paused turn, a turn waiting for an
@@ -271,11 +278,17 @@ class FanIn:
                 waker.position = as_str(entries[-1][0])
             elif entries:
                 grew.append(stream)
-                self._dispatch(stream, [(as_str(i), entry_payload(f)) for i, f in entries])
+                read_from = wanted[stream]
+                self._dispatch(
+                    stream, read_from, [(as_str(i), entry_payload(f)) for i, f in entries]
+                )
         return grew
 
-    def _dispatch(self, stream: str, entries: list[tuple[str, bytes | None]]) -> None:
-        """Deliver ``(entry id, packed event)`` pairs of ``stream`` to its subscribers."""
+    def _dispatch(
+        self, stream: str, read_from: str, entries: list[tuple[str, bytes | None]]
+    ) -> None:
+        """Deliver ``(entry id, packed event)`` pairs of ``stream``, all of its
+        entries after ``read_from`` so far, to its subscribers."""
         entry = self.streams.get(stream)
         if entry is None:
             return
@@ -283,10 +296,13 @@ class FanIn:
         # Hot path (every delta of every followed turn): each id is parsed once.
         decoded = [(_id_key(entry_id), decode_event_payload(raw)) for entry_id, raw in entries]
         last_id, last_key = entries[-1][0], decoded[-1][0]
+        start = _id_key(read_from)
         for owner, sub in list(entry.subscribers.items()):
             if sub.paused:
                 continue
             seen = _id_key(sub.position)
+            if seen < start:  # behind this read (see the module's doc): left for the next
+                continue
             fresh = [ev for key, ev in decoded if key > seen]
             if last_key > seen:
                 sub.position = last_id

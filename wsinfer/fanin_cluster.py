@@ -177,7 +177,8 @@ class ClusterFanIn(FanIn):
         for stream, reply in zip(wanted, await pipe.execute(), strict=True):
             for _, entries in reply or []:
                 if entries:
-                    self._dispatch(stream, [(as_str(i), entry_payload(f)) for i, f in entries])
+                    payloads = [(as_str(i), entry_payload(f)) for i, f in entries]
+                    self._dispatch(stream, positions[stream], payloads)
 
     async def _assign(self) -> None:
         """Each followed session's wake channel, subscribed on the node owning its slot."""

@@ -156,8 +156,8 @@ async def test_subscribers_at_different_positions_each_get_only_what_they_have_n
     ):
         got[owner], deliver = collector()
         fan.subscribe(stream, owner, position, deliver)
-    fan._dispatch(stream, entries)
+    fan._dispatch(stream, "0-0", entries)
     assert got == {"before": [1, 2, 3], "inside": [2, 3], "end": []}
-    fan._dispatch(stream, entries)  # the same entries again (a re-read): nothing twice
+    fan._dispatch(stream, "0-0", entries)  # the same entries again (a re-read): nothing twice
     assert got == {"before": [1, 2, 3], "inside": [2, 3], "end": []}
     await client.aclose()
