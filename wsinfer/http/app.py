@@ -84,6 +84,8 @@ class HttpApp:
             transport,
             h11.Connection(h11.SERVER),
             max_body=self.frontend.config.max_frame_bytes,
+            max_outgoing=self.frontend.config.max_outgoing_bytes,
+            request_rate=self.frontend.config.request_rate,
             upgrade=upgrade,
             on_close=self.connections.discard,
         )
@@ -96,8 +98,10 @@ class HttpApp:
         for conn in list(self.connections):
             conn.transport.abort()
 
-    def refuse(self, status: int, message: str) -> HttpResponse:
-        return error_response(OpenAIError(status, message, code="bad_request"))
+    def refuse(
+        self, status: int, message: str, code: str, retry_after: float | None = None
+    ) -> HttpResponse:
+        return error_response(OpenAIError(status, message, code=code, retry_after=retry_after))
 
     # --- dispatch ---------------------------------------------------------------------
 

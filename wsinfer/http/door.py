@@ -17,13 +17,10 @@ from typing import TYPE_CHECKING, Any, cast
 import h11
 from websockets.asyncio.server import ServerConnection
 
-from wsinfer.http.connection import wants_websocket
+from wsinfer.http.connection import HEAD_TIMEOUT_S, wants_websocket
 
 if TYPE_CHECKING:
     from wsinfer.http.app import HttpApp
-
-# A client that has not sent a whole request head by then is dropped (slowloris).
-HEAD_TIMEOUT_S = 10.0
 
 
 class FrontDoor(ServerConnection):
@@ -38,6 +35,8 @@ class FrontDoor(ServerConnection):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A client that has not sent a whole first request head by then is dropped
+        # (slowloris); the HTTP connection times each later head the same way.
         self._raw_transport = cast(asyncio.Transport, transport)
         self._timer = self.loop.call_later(HEAD_TIMEOUT_S, self._raw_transport.abort)
 
