@@ -173,7 +173,7 @@ class HttpConnection(asyncio.Protocol):
 
     async def _serve(self) -> None:
         try:
-            while not self._lost:
+            while not self._lost and not self.transport.is_closing():
                 request = await self._read_request()
                 if request is None:
                     return
@@ -338,7 +338,9 @@ class HttpConnection(asyncio.Protocol):
 
     def _write(self, event: Any) -> None:
         data = self.h11.send(event)
-        if data and not self._lost:
+        # is_closing: the socket failed and connection_lost is yet to come
+        # (asyncio logs a warning for every write after that).
+        if data and not self._lost and not self.transport.is_closing():
             self.transport.write(data)
 
     def _hand_over(self, request: HttpRequest) -> None:
