@@ -279,3 +279,19 @@ async def test_an_sse_client_that_hangs_up_during_a_pause_is_let_go_at_once(
             await http.post(f"{url}/stop", headers={"X-Wsinfer-Token": token})
     finally:
         await frontend.stop()
+
+
+@pytest.mark.parametrize(
+    ("extra", "status"),
+    [
+        (b"X-Junk: d\x1bW\r\n", 400),  # h11 passes control characters in a value
+        (b"Upgrade: h2c\r\nUpgrade: other\r\n", 200),  # a repeated Upgrade is no WebSocket
+    ],
+)
+async def test_odd_header_fields_get_an_answer(
+    serve: tuple[int, Path, int], extra: bytes, status: int
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", serve[0])
+    writer.write(MODELS.replace(b"Host: x\r\n", b"Host: x\r\n" + extra))
+    assert (await read_response(reader))[0] == status
+    writer.close()

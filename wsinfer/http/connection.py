@@ -23,6 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 import h11
 import structlog
 from websockets.datastructures import Headers
+from websockets.exceptions import InvalidHeader
 
 from wsinfer.http.framing import Refusal, check_head
 from wsinfer.limits import TokenBucket
@@ -177,7 +178,8 @@ class HttpConnection(asyncio.Protocol):
                 request = await self._read_request()
                 if request is None:
                     return
-                if wants_websocket(request.method, request.headers.get("Upgrade", "")):
+                upgrade = ", ".join(request.headers.get_all("Upgrade"))  # may be repeated
+                if wants_websocket(request.method, upgrade):
                     self._hand_over(request)
                     return
                 if not await self._answer(request):
@@ -239,9 +241,12 @@ class HttpConnection(asyncio.Protocol):
             return None  # the client closed the connection between requests
         self._head_request = event.method == b"HEAD"
         check_head(event)
-        headers = Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers)
+        try:
+            headers = Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers)
+        except InvalidHeader as exc:  # h11 lets control characters through; websockets not
+            raise Refusal(400, f"invalid header field {exc.name!r}"[:200]) from None
         request = HttpRequest(event.method.decode(), event.target.decode("latin-1"), headers)
-        length = headers.get("Content-Length")
+        length = next(iter(headers.get_all("Content-Length")), None)  # h11: one value
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise Refusal(413, f"the body is over {self.max_body} bytes")
         request.body = await self._read_body()
@@ -332,7 +337,9 @@ class HttpConnection(asyncio.Protocol):
             self._reading_paused = False
             self.transport.resume_reading()
         if self.transport.can_write_eof():
-            self.transport.write_eof()
+            # A reset that came in since the answer was sent makes shutdown() fail.
+            with contextlib.suppress(OSError):
+                self.transport.write_eof()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._eof.wait(), LINGER_S)
 
