@@ -295,3 +295,17 @@ async def test_odd_header_fields_get_an_answer(
     writer.write(MODELS.replace(b"Host: x\r\n", b"Host: x\r\n" + extra))
     assert (await read_response(reader))[0] == status
     writer.close()
+
+
+async def test_error_answers_quote_client_input_cut_short(serve: tuple[int, Path, int]) -> None:
+    """A 300 kB field name or an 8 kB malformed header line is not sent back whole."""
+    name = "f" * 300_000
+    body = json.dumps({"model": "wsinfer", "messages": [], name: 1}).encode()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{serve[0]}") as http:
+        response = await http.post("/v1/chat/completions", content=body)
+    assert response.status_code == 400 and len(response.content) < 1000
+    reader, writer = await asyncio.open_connection("127.0.0.1", serve[0])
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n" + b"no colon here " * 600 + b"\r\n\r\n")
+    status, _, answer = await read_response(reader)
+    assert status == 400 and len(answer) < 1000, answer[:300]
+    writer.close()

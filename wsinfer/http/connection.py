@@ -42,6 +42,8 @@ LINGER_S = 2.0
 # Bytes read ahead of the request being served. Beyond this the socket is not read
 # until the request is answered: a pipelining client is held by TCP, not our memory.
 READ_AHEAD_BYTES = 64 * 1024
+# An error message quotes at most this much of the client's input.
+MAX_QUOTE_CHARS = 200
 # The error code of each refusal the HTTP layer makes itself (the app maps the rest).
 REFUSAL_CODES = {405: "method", 408: "timeout", 413: "too_large", 414: "too_large"}
 REFUSAL_CODES |= {429: "overloaded", 431: "too_large"}
@@ -244,7 +246,7 @@ class HttpConnection(asyncio.Protocol):
         try:
             headers = Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers)
         except InvalidHeader as exc:  # h11 lets control characters through; websockets not
-            raise Refusal(400, f"invalid header field {exc.name!r}"[:200]) from None
+            raise Refusal(400, f"invalid header field {exc.name!r}") from None
         request = HttpRequest(event.method.decode(), event.target.decode("latin-1"), headers)
         length = next(iter(headers.get_all("Content-Length")), None)  # h11: one value
         if length is not None and length.isdigit() and int(length) > self.max_body:
@@ -316,7 +318,7 @@ class HttpConnection(asyncio.Protocol):
             status = getattr(exc, "error_status_hint", 400)
             message, retry_after = str(exc) or "malformed HTTP request", None
         code = REFUSAL_CODES.get(status, "bad_request")
-        return self.app.refuse(status, message, code, retry_after)
+        return self.app.refuse(status, _cut(message), code, retry_after)
 
     async def _refuse(self, exc: Exception) -> None:
         """Answer a request the HTTP layer refuses, then close the connection."""
@@ -363,6 +365,11 @@ class HttpConnection(asyncio.Protocol):
         if not self._lost:
             self._lost = True
             self.transport.close()
+
+
+def _cut(text: str) -> str:
+    """h11's messages quote the offending line (up to a whole head): cut it short."""
+    return text if len(text) <= MAX_QUOTE_CHARS else text[: MAX_QUOTE_CHARS - 3] + "..."
 
 
 def wants_websocket(method: str, upgrade: str) -> bool:

@@ -71,6 +71,8 @@ class OpenAIError(Exception):
         param: str | None = None,
         retry_after: float | None = None,
     ) -> None:
+        # Messages and params quote client input (a 300 kB field name): cut short.
+        message, param = _cut(message, 500), None if param is None else _cut(param, 100)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -99,6 +101,10 @@ class OpenAIError(Exception):
         status = STATUS_BY_CODE.get(exc.code, 500)
         code = "invalid_api_key" if exc.code == ErrorCode.UNAUTHORIZED else exc.code.value
         return cls(status, exc.message, code=code, retry_after=exc.retry_after)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def bad_request(message: str, param: str | None = None, code: str = "bad_request") -> OpenAIError:
