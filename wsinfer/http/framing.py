@@ -19,22 +19,13 @@ MAX_HEADERS = 100
 
 
 class Refusal(Exception):
-    """A request the HTTP layer answers itself; the connection closes after it
-    unless ``keep_alive`` (the request was read whole and can be skipped)."""
+    """A request the HTTP layer answers itself (raised: the connection closes after it)."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        retry_after: float | None = None,
-        keep_alive: bool = False,
-    ) -> None:
+    def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after = retry_after
-        self.keep_alive = keep_alive
 
 
 def check_head(event: h11.Request) -> None:
