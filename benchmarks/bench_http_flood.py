@@ -1,6 +1,6 @@
-"""The frontend's memory under two HTTP buffering attacks (issue 19, item 1).
+"""The frontend under HTTP buffering attacks and slow request heads (issue 19, items 1, 2).
 
-    python benchmarks/bench_http_flood.py [--mib 200] [--seconds 30]
+    python benchmarks/bench_http_flood.py [--mib 200] [--seconds 30] [--slow 50]
 
 Against ``wsinfer serve --model fake:200`` (the frontend runs in the serve process):
 
@@ -13,11 +13,16 @@ Against ``wsinfer serve --model fake:200`` (the frontend runs in the serve proce
 For each: how many MiB the server took from the socket before it stopped
 reading (or the time ran out), and the growth of the serve process's RSS from
 before the attack to its peak during it (sampled from /proc every send).
+
+Then ``--slow`` keep-alive connections each send one request, read its
+answer, and send the next request head at 1 byte/s: how many are still open
+after 30 s, and what the server answered before closing them.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import select
 import socket
@@ -103,15 +108,47 @@ def attacks(port: int, pid: int, mib: int, seconds: float) -> dict[str, Outcome]
     }
 
 
+async def slow_head(port: int, seconds: float) -> tuple[bool, bytes]:
+    """(still open after ``seconds``?, what the server sent in answer to the slow head)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(PADDED)
+    head = (await reader.readuntil(b"\r\n\r\n")).lower()
+    await reader.readexactly(int(head.split(b"content-length: ")[1].split(b"\r\n")[0]))
+    answer = b""
+    try:
+        for byte in PADDED[:-2][: int(seconds)]:
+            writer.write(bytes([byte]))
+            try:
+                answer += await asyncio.wait_for(reader.read(65536), 1.0)
+            except TimeoutError:
+                continue
+            if reader.at_eof():
+                return False, answer
+        return True, answer
+    except ConnectionError:
+        return False, answer
+    finally:
+        writer.close()
+
+
+async def slow_heads(port: int, count: int, seconds: float) -> tuple[int, set[str]]:
+    """How many of ``count`` slow heads are open after ``seconds``; the answers' status lines."""
+    results = await asyncio.gather(*(slow_head(port, seconds) for _ in range(count)))
+    lines = {answer.split(b"\r\n", 1)[0].decode() for _, answer in results}
+    return sum(open_ for open_, _ in results), lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--slow", type=int, default=50)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="wsinfer-bench-") as state:
         process, port = start_serve(Path(state), "--model", "fake:200")
         try:
             results = attacks(port, process.pid, args.mib, args.seconds)
+            still_open, answers = asyncio.run(slow_heads(port, args.slow, 30.0))
         finally:
             stop_serve(process)
     print("| attack | MiB offered | MiB the client got sent | RSS growth (MiB) | seconds |")
@@ -119,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, out in results.items():
         row = [name, str(args.mib), f"{out.sent_mib:.1f}", f"{out.growth_mib:.1f}"]
         print("| " + " | ".join([*row, f"{out.seconds:.1f}"]) + " |")
+    print(f"\nslow second heads (1 byte/s): {still_open} of {args.slow} open after 30 s; "
+          f"answers: {sorted(answers)}")  # fmt: skip
 
 
 if __name__ == "__main__":
