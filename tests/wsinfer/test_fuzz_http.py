@@ -90,7 +90,9 @@ targets = st.one_of(
 # Each name at most once among these (repeats are the other branch's item 3).
 SINGLE = ["Origin", "X-Wsinfer-Session", "X-Wsinfer-Token", "Last-Event-ID", "Authorization"]
 header_values = (
-    st.sampled_from(["0", "5", "-1", "chunked", "gzip", "close", "100-continue", "", "a" * 300])
+    st.sampled_from(
+        ["0", "5", "-1", "chunked", "gzip", "close", "100-continue", "websocket", "", "a" * 300]
+    )
     | ascii_text
 )
 single_headers = st.dictionaries(st.sampled_from(SINGLE), header_values, max_size=3)
