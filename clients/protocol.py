@@ -430,7 +430,7 @@ class ClientProtocol:
 
     def _on_turn_event(self, msg: Mapping[str, Any]) -> list[Event]:
         turn = self.turns.get(str(msg.get("session")))
-        if turn is None:
+        if turn is None or self._restarting(turn):
             return []
         event = turn.apply(msg)
         if turn.finished:
@@ -511,6 +511,20 @@ class ClientProtocol:
         failed = turn.fail(exc)
         self._forget(turn)
         return [TurnFailed(turn, exc)] if failed else []
+
+    def _restarting(self, turn: TurnState) -> bool:
+        """Whether a ``resume`` of the turn is still unanswered.
+
+        Until its ``session`` answer, the turn's events come from a feed that
+        the resume replaces: the connection's earlier feed, or one that a
+        ``stop`` attached at the server's current seq. A delta carries no start,
+        so applying one of those could skip text (a feed that began past our
+        seq), and the replay that follows the answer, merged into one delta
+        from our seq, would then repeat what the old feed gave. The replay
+        restates all of it: nothing is lost by waiting for it.
+        """
+        resume = ClientMessageType.RESUME.value
+        return any(p.kind == resume and p.turn is turn for p in self.pending.values())
 
     def _register(self, turn: TurnState) -> None:
         self.turns[turn.session] = turn
