@@ -431,7 +431,10 @@ export class WsinferClient extends EventTarget {
     queue.filter(early).forEach(send);
     let resumed = reconnected ? this._rejoin(ws) : null;
     for (const msg of queue.filter((m) => !early(m))) {
-      if (msg.type === Send.RESUME && resumed) continue; // just sent a fresher one
+      if (msg.type === Send.RESUME && resumed) {
+        this._pending.delete(msg.id); // just sent a fresher one: this one is never answered
+        continue;
+      }
       send(msg);
       if (this._announce.delete(msg.id)) {
         resumed = { session: msg.session, turn: msg.turn ?? null, after: msg.after, restored: true };
@@ -520,7 +523,8 @@ export class WsinferClient extends EventTarget {
     if (!p) return;
     const turn = p.turn;
     if (p.type !== Send.GENERATE) {
-      // A resume answered with the turn's status.
+      // A resume answered with the turn's status; its replay follows.
+      turn._refused = false;
       if (msg.status && turn.active && msg.status !== TurnStatus.DONE) turn.status = msg.status;
       return;
     }
@@ -529,7 +533,11 @@ export class WsinferClient extends EventTarget {
     turn.session = msg.session;
     turn.turn = msg.turn;
     // The server's word; an older server says nothing, and a turn it answered is running.
-    if (turn.status === STARTING) turn.status = msg.status || TurnStatus.RUNNING;
+    // "done" (a re-sent generate whose turn ended meanwhile) waits for the
+    // replay's deltas and its `done`: a turn marked done here would drop them.
+    if (turn.status === STARTING) {
+      turn.status = msg.status && msg.status !== TurnStatus.DONE ? msg.status : TurnStatus.RUNNING;
+    }
     this._save();
     turn.dispatchEvent(event("session", { session: msg.session, turn: msg.turn }));
     if (turn._deferred) this._control(turn, turn._deferred);
@@ -542,25 +550,38 @@ export class WsinferClient extends EventTarget {
     }
   }
 
+  // Until a resume is answered, the turn's events come from the feed it
+  // replaces (the connection's earlier one, or one a stop attached at the
+  // server's seq). A delta carries no start: applying one could skip text,
+  // and the replay after the answer, merged from our seq, would repeat what
+  // the old feed gave. The replay restates it all, so these are dropped, and
+  // after a refused resume too, until one is answered.
+  _restarting(turn) {
+    if (turn._refused) return true; // events since were dropped: wait for a replay
+    for (const p of this._pending.values()) {
+      if (p.turn === turn && p.type === Send.RESUME) return true;
+    }
+    return false;
+  }
+
   _on_delta(msg) {
     const turn = this._turnFor(msg);
-    if (!turn || !turn.active) return;
-    this._settle(turn, [Send.RESUME]);
+    if (!turn || !turn.active || this._restarting(turn)) return;
     if (turn._applyDelta(msg.seq, msg.text)) this._save();
   }
 
   _on_paused(msg) {
     const turn = this._turnFor(msg);
-    if (!turn) return;
-    this._settle(turn, [Send.PAUSE, Send.RESUME]);
+    if (!turn || this._restarting(turn)) return;
+    this._settle(turn, [Send.PAUSE]);
     turn._setPaused(msg.seq);
     this._save();
   }
 
   _on_done(msg) {
     const turn = this._turnFor(msg);
-    if (!turn) return;
-    this._settle(turn, [Send.PAUSE, Send.RESUME, Send.STOP]);
+    if (!turn || this._restarting(turn)) return;
+    this._settle(turn, [Send.PAUSE, Send.STOP]);
     turn._finish(msg);
     this._save();
   }
@@ -576,10 +597,23 @@ export class WsinferClient extends EventTarget {
     } else if (p.type === Send.RESUME && error.code === ErrorCode.NOT_FOUND) {
       this.session = this.sessionToken = null; // expired or closed: start afresh next time
       turn._fail(error);
+    } else if (p.type === Send.RESUME) {
+      // Refused (e.g. over the request rate): the events dropped while it was
+      // pending are missing here, so ask again once the server allows it.
+      turn._refused = true;
+      turn._warn(error);
+      this._retryResume(turn, error.retryAfter);
     } else {
       turn._warn(error);
     }
     this._save();
+  }
+
+  _retryResume(turn, retryAfter) {
+    const delay = retryAfter != null ? retryAfter * 1000 : this.minDelay;
+    setTimeout(() => {
+      if (turn === this.currentTurn && turn.active && turn.status !== TurnStatus.PAUSED) this._resumeTurn(turn);
+    }, delay);
   }
 
   _dispatchClientError(error) {
