@@ -1,0 +1,280 @@
+"""Exactly once, end to end, with real processes and kill -9 (issue 18, item 3).
+
+50 turns stream at once from two fake engines (``fake:RATE``: token ``i`` of a
+turn is always the same word, so every turn's text is known, and a turn taken
+over from the token log goes on with the same words) through two frontends.
+Each turn gets 1-3 followers that join at random times and positions (0, the
+turn's current seq, or anywhere between: a follower behind another one on the
+same frontend is the case the fan-in once got wrong), over a raw WebSocket
+``resume``, the SSE stream with ``Last-Event-ID``, or the Python client's
+automatic resume. Each follower reaches the frontends through a ``Cutter`` of
+its own that aborts its connection at random times; one frontend and one
+engine are killed with -9 mid-run (the frontend comes back on its port).
+Every follower's joined text must equal the turn's text from its start.
+Seeded (``WSINFER_E2E_SEED``); the counts are printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import json
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import WebSocketException
+
+from tests.cutter import Cutter
+from tests.stack import Client, Stack, joined
+from wsinfer.clients import ReconnectPolicy, connect
+from wsinfer.clients.errors import ConnectionLost
+from wsinfer.engine.fake import WORDS
+
+SEED = int(os.environ.get("WSINFER_E2E_SEED", "18"))
+SESSIONS = 50
+RATE = 10  # tokens per second per turn
+TOKENS = 250  # so a turn streams for 25 s, the kills land mid-turn
+ENGINE_FLAGS = ("--max-batch-size", "64", "--threads", "1")
+KINDS = ("ws", "sse", "python")
+MEAN_CUT_S = 2.5  # mean time between two cuts of one follower's connection
+RECONNECT = ReconnectPolicy(max_attempts=100, max_time=120, base_delay=0.05, max_delay=0.5)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def expected(after: int) -> str:
+    return "".join(WORDS[i % len(WORDS)] for i in range(min(after, TOKENS), TOKENS))
+
+
+@dataclass
+class Follower:
+    kind: str
+    session: str
+    token: str
+    after: int
+    cutter: Cutter
+    text: str = ""
+    reconnects: int = 0
+
+
+# --- the three kinds of follower -------------------------------------------------------
+
+
+async def follow_ws(f: Follower) -> None:
+    """A raw ``resume``; after a drop, another one from the last seq received."""
+    last = f.after
+    while True:
+        try:
+            async with ws_connect(f.cutter.ws_url, subprotocols=["wsinfer.v1.json"]) as ws:  # type: ignore[list-item]
+                resume = {"type": "resume", "session": f.session, "token": f.token}
+                await ws.send(json.dumps({**resume, "turn": 1, "after": last, "id": 1}))
+                async for frame in ws:
+                    msg = json.loads(frame)
+                    assert msg["type"] != "error", msg
+                    if msg["type"] == "delta":
+                        f.text += msg["text"]  # a repeat or a gap shows in the comparison
+                        last = max(last, msg["seq"])
+                    elif msg["type"] == "done":
+                        return
+        except (OSError, WebSocketException):
+            pass
+        f.reconnects += 1
+        await asyncio.sleep(0.05)
+
+
+async def follow_sse(f: Follower) -> None:
+    """``GET /v1/sessions/{id}/stream``; after a drop, again with ``Last-Event-ID``."""
+    last = f.after
+    async with httpx.AsyncClient(base_url=f.cutter.http_url, timeout=30) as http:
+        while True:
+            headers = {"X-Wsinfer-Token": f.token, "Last-Event-ID": str(last)}
+            try:
+                url = f"/v1/sessions/{f.session}/stream"
+                async with http.stream("GET", url, headers=headers) as response:
+                    assert response.status_code == 200, await response.aread()
+                    event_id: int | None = None
+                    async for line in response.aiter_lines():
+                        if line.startswith("id: "):
+                            event_id = int(line[4:])
+                        elif line == "data: [DONE]":
+                            return
+                        elif line.startswith("data: "):
+                            chunk = json.loads(line[6:])
+                            assert "error" not in chunk, chunk
+                            f.text += chunk["choices"][0]["delta"].get("content") or ""
+                        elif not line and event_id is not None:  # the event is complete
+                            last, event_id = max(last, event_id), None
+            except (httpx.TransportError, httpx.StreamError):
+                pass
+            f.reconnects += 1
+            await asyncio.sleep(0.05)
+
+
+async def follow_python(f: Follower) -> None:
+    """The Python client: once it has connected, it reconnects and resumes by itself."""
+    client = connect(f.cutter.ws_url, reconnect=RECONNECT)
+    while True:
+        try:
+            await client.open()  # fails fast by design: a cut handshake is retried here
+            break
+        except ConnectionLost:
+            f.reconnects += 1
+            await asyncio.sleep(0.05)
+    try:
+        turn = await client.attach(f.session, f.token, turn=1, after=f.after)
+        f.text = await turn.wait()
+        f.reconnects += client.reconnects
+    finally:
+        await client.close()
+
+
+FOLLOW = {"ws": follow_ws, "sse": follow_sse, "python": follow_python}
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def cutters() -> AsyncIterator[list[Cutter]]:
+    made: list[Cutter] = []
+    yield made
+    for cutter in made:
+        await cutter.stop()
+
+
+async def start_turns(port: int) -> list[tuple[str, str]]:
+    """Every turn accepted before anything is cut: (session, token) each."""
+
+    async def one(i: int) -> tuple[str, str]:
+        client = await Client.open(port)
+        params = {"max_new_tokens": TOKENS}
+        await client.send(type="generate", prompt=f"turn {i}", params=params, id=i)
+        answer = await client.recv()
+        await client.close()  # the turn goes on: followers join it
+        assert answer["type"] == "session", answer
+        return answer["session"], answer["token"]
+
+    return list(await asyncio.gather(*(one(i) for i in range(SESSIONS))))
+
+
+class Positions:
+    """Where a joining follower starts: 0, the turn's seq now, or a seq it had
+    when an earlier follower joined (behind the others, on the same frontend
+    or not). Always a seq the server reported, as a client's ``after`` is: a
+    position inside a merged delta would get that whole delta."""
+
+    def __init__(self, port: int, rng: random.Random) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.rng = rng
+        self.seen: dict[str, list[int]] = {}
+
+    async def pick(self, session: str, token: str) -> int:
+        async with httpx.AsyncClient(base_url=self.url) as http:
+            answer = await http.get(f"/v1/sessions/{session}", headers={"X-Wsinfer-Token": token})
+        seen = self.seen.setdefault(session, [0])
+        seen.append(answer.json()["seq"])
+        return self.rng.choice([0, seen[-1], self.rng.choice(seen)])
+
+
+async def run_follower(
+    f: Follower, rng: random.Random, joins_at: float, positions: Positions, stats: Counter[str]
+) -> None:
+    await asyncio.sleep(joins_at)
+    f.after = await positions.pick(f.session, f.token)
+    task = asyncio.create_task(FOLLOW[f.kind](f))
+    while not task.done():
+        await asyncio.wait([task], timeout=rng.expovariate(1 / MEAN_CUT_S))
+        if not task.done():
+            # Half the cuts leave the server's side open a while: the old
+            # request or connection still follows when the client comes back.
+            stats["cuts"] += f.cutter.cut(linger=rng.choice([0.0, rng.uniform(0.2, 3.0)]))
+    await task
+
+
+async def test_every_follower_gets_the_whole_text_once(stack: Stack, cutters: list[Cutter]) -> None:
+    rng = random.Random(SEED)
+    stack.model = f"fake:{RATE}"
+    frontends = [stack.start_frontend() for _ in range(2)]
+    ports = [port for _, port in frontends]
+    engines = [stack.start_engine(f"engine-{i}", *ENGINE_FLAGS) for i in range(2)]
+    turns = await start_turns(ports[0])
+    began = time.monotonic()
+    followers: list[tuple[Follower, float]] = []
+    for session, token in turns:
+        for _ in range(rng.randint(1, 3)):
+            joins_at = rng.uniform(0, 0.6 * TOKENS / RATE)
+            cutter = await Cutter(ports, random.Random(rng.random())).start()
+            cutters.append(cutter)
+            followers.append((Follower(rng.choice(KINDS), session, token, -1, cutter), joins_at))
+    stats: Counter[str] = Counter()
+    positions = Positions(ports[1], random.Random(rng.random()))
+    jobs = [
+        asyncio.create_task(run_follower(f, random.Random(rng.random()), at, positions, stats))
+        for f, at in followers
+    ]
+
+    await asyncio.sleep(0.35 * TOKENS / RATE)
+    frontends[0][0].kill()  # -9: its followers are cut mid-stream
+    assert await asyncio.to_thread(frontends[0][0].wait) == -9
+    await asyncio.sleep(1)
+    stack.start_frontend(port=ports[0])
+    await asyncio.sleep(max(0.0, 0.5 * TOKENS / RATE - (time.monotonic() - began)))
+    engines[0].kill()  # -9: the other engine takes its turns over from the token log
+    assert await asyncio.to_thread(engines[0].wait) == -9
+
+    await asyncio.wait_for(asyncio.gather(*jobs), 180)
+    took = time.monotonic() - began
+    truths = [await replay(ports[1], f) for f, _ in followers]
+    report([f for f, _ in followers], truths, stats, took)
+
+
+async def replay(port: int, f: Follower) -> str:
+    """The turn's text after the follower's start, as the token log in Redis has it."""
+    client = await Client.open(port)
+    await client.send(type="resume", session=f.session, token=f.token, turn=1, after=f.after)
+    messages = await client.until("done")
+    await client.close()
+    text, _ = joined(messages)
+    return text
+
+
+def differences(want: str, got: str) -> tuple[int, int, str]:
+    """Characters lost and repeated (a diff), and the first difference."""
+    lost = repeated = 0
+    first = ""
+    matcher = difflib.SequenceMatcher(None, want, got, autojunk=False)
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op != "equal":
+            lost += i2 - i1
+            repeated += j2 - j1
+            first = first or f"at {i1}: {want[i1:i2]!r} -> {got[j1:j2]!r}"
+    return lost, repeated, first
+
+
+def report(followers: list[Follower], truths: list[str], stats: Counter[str], took: float) -> None:
+    compared = lost = repeated = off_model = 0
+    wrong = []
+    for f, truth in zip(followers, truths, strict=True):
+        compared += len(truth)
+        if truth != expected(f.after):
+            off_model += 1
+        if f.text != truth:
+            missing, extra, first = differences(truth, f.text)
+            lost, repeated = lost + missing, repeated + extra
+            wrong.append(f"{f.kind} {f.session} from {f.after}: {first}")
+    kinds = Counter(f.kind for f in followers)
+    print(
+        f"\nsessions {SESSIONS}, followers {len(followers)} {dict(kinds)},"
+        f" reconnects {sum(f.reconnects for f in followers)}, cuts {stats['cuts']},"
+        f" kills 2 (a frontend, an engine), characters compared {compared},"
+        f" lost {lost}, repeated {repeated}; token logs off the model {off_model}; {took:.1f} s"
+    )
+    assert not wrong, f"{len(wrong)} followers got other text: {wrong[:10]}"
+    assert not off_model, f"{off_model} token logs are not the fake model's words"
