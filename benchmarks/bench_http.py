@@ -82,7 +82,7 @@ async def sse_first(
          "stream": True}
     ).encode()  # fmt: skip
     head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode()
     start = time.perf_counter()

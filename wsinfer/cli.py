@@ -93,8 +93,18 @@ def _add_frontend(parser: argparse.ArgumentParser) -> None:
         action="append",
         dest="allowed_origins",
         default=[o for o in _env("ALLOWED_ORIGINS", "").split(",") if o],
-        help="a web origin allowed to open WebSockets, besides the page's own and "
-        "localhost (repeatable; '*' allows any; env WSINFER_ALLOWED_ORIGINS=a,b)",
+        help="a web origin allowed to open WebSockets and call the HTTP API (CORS), "
+        "besides the page's own and localhost (repeatable; '*' allows any; "
+        "env WSINFER_ALLOWED_ORIGINS=a,b)",
+    )
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        dest="allowed_hosts",
+        default=[h for h in _env("ALLOWED_HOSTS", "").split(",") if h],
+        help="a host name clients reach this server by, besides IP addresses, localhost "
+        "and --host; checked only without --api-key, against DNS rebinding "
+        "(repeatable; '*' allows any; env WSINFER_ALLOWED_HOSTS=a,b)",
     )
     parser.add_argument(
         "--model-name",
@@ -249,6 +259,7 @@ def _frontend_config(args: argparse.Namespace, redis_url: str) -> Any:
         request_rate=args.request_rate,
         max_outgoing_bytes=args.max_outgoing_bytes,
         allowed_origins=frozenset(args.allowed_origins),
+        allowed_hosts=frozenset(args.allowed_hosts),
         touch_interval_s=touch_interval(args.idle_pause),
         model_name=args.model_name,
     )

@@ -10,7 +10,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from wsinfer.errors import EngineUnavailable, Overloaded
 
@@ -112,27 +111,3 @@ class LogThrottle:
             self._seen.clear()
         self._seen[key] = (start, count)
         return count <= self.per_window, suppressed
-
-
-LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-
-
-def origin_allowed(origin: str | None, host: str | None, allowed: frozenset[str]) -> bool:
-    """May a page from ``origin`` open a WebSocket here?
-
-    Browsers send ``Origin`` on every WebSocket handshake and let any page
-    connect anywhere, so without this check (and with no API key) any web page
-    could drive a local server. Allowed: no Origin (not a browser), the
-    server's own origin (its chat page), localhost pages, and ``allowed``
-    (``*``: every origin).
-    """
-    if origin is None:
-        return True
-    if "*" in allowed or origin in allowed:
-        return True
-    parts = urlsplit(origin)
-    if parts.scheme not in ("http", "https"):
-        return False  # "null" (sandboxed or file pages) and the like
-    if parts.hostname in LOCAL_HOSTS:
-        return True
-    return host is not None and parts.netloc.lower() == host.strip().lower()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import mimetypes
-import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,7 +17,6 @@ from http import HTTPStatus
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import redis.asyncio as aioredis
 import structlog
@@ -27,13 +25,14 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from wsinfer.access import Access, Denied, request_path, shorten
 from wsinfer.contract import CloseCode, ErrorCode
 from wsinfer.errors import ClientError, StoreUnavailable, WsinferError
 from wsinfer.fanin import make_fanin
 from wsinfer.handlers import Handlers, to_protocol_error
 from wsinfer.http.app import HttpApp
 from wsinfer.http.door import front_door
-from wsinfer.limits import CapacityGate, LogThrottle, TokenBucket, origin_allowed
+from wsinfer.limits import CapacityGate, LogThrottle, TokenBucket
 from wsinfer.messages import SUBPROTOCOLS, Limits, codec_for
 from wsinfer.metrics import Metrics
 from wsinfer.protocol import ConnectionProtocol
@@ -68,6 +67,9 @@ class FrontendConfig:
     request_rate: float = 50.0
     # Web origins allowed besides the page's own and localhost ("*": any).
     allowed_origins: frozenset[str] = frozenset()
+    # Host names this server answers to besides its bind address, IP literals and
+    # localhost ("*": any); checked only without API keys (DNS rebinding).
+    allowed_hosts: frozenset[str] = frozenset()
     limits: Limits = field(default_factory=Limits)
 
 
@@ -88,6 +90,9 @@ class Frontend:
         self.metrics = Metrics(lambda: self.connections)
         self.connections: set[Connection] = set()
         self.log_throttle = LogThrottle()
+        self.access = Access(
+            config.api_keys, config.allowed_origins, config.allowed_hosts, config.host
+        )
         self.http = HttpApp(self)  # plain HTTP on the same port (wsinfer/http/)
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
@@ -191,17 +196,14 @@ class Frontend:
     async def _process_request(
         self, conn: ServerConnection | None, request: Request
     ) -> Response | None:
-        path = urlsplit(request.path).path
+        try:
+            path = request_path(request.path)
+            self.access.check(request.headers, request.path, needs_key=not _public(path))
+        except Denied as exc:
+            self.refused(exc.code, path=shorten(request.path))
+            return _text(HTTPStatus(exc.status), f"{exc.message}\n")
         if path == "/v1/ws":
-            headers = request.headers
-            if not origin_allowed(
-                headers.get("Origin"), headers.get("Host"), self.config.allowed_origins
-            ):
-                return _text(HTTPStatus.FORBIDDEN, "origin not allowed (see --allowed-origin)\n")
-            if self._authorized(request):
-                return None
-            self.metrics.refusals.labels(code=ErrorCode.UNAUTHORIZED.value).inc()
-            return _text(HTTPStatus.UNAUTHORIZED, "bad or missing API key\n")
+            return None
         if path == "/healthz":
             return await self._healthz()
         if path == "/metrics":
@@ -212,14 +214,23 @@ class Frontend:
             return _static(path.removeprefix("/static/"))
         return _text(HTTPStatus.NOT_FOUND, "not found\n")
 
-    def _authorized(self, request: Request) -> bool:
-        if not self.config.api_keys:
-            return True
-        header = request.headers.get("Authorization", "")
-        offered = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-        if not offered:
-            offered = parse_qs(urlsplit(request.path).query).get("token", [""])[0]
-        return any(secrets.compare_digest(offered, key) for key in self.config.api_keys)
+    def refused(self, code: str, **fields: Any) -> None:
+        """A request refused before it ran (key, host, origin, malformed): one INFO line."""
+        if code == "invalid_api_key":
+            self.metrics.refusals.labels(code=ErrorCode.UNAUTHORIZED.value).inc()
+        self.log_limited("info", "request refused", code=code, **fields)
+
+    def log_failure(self, exc: Exception, error: WsinferError, request: str) -> None:
+        """Client mistakes are one INFO line; outages one WARNING; only our own
+        bugs get a traceback. Repeats of each are rate-limited."""
+        if isinstance(error, ClientError):
+            self.log_limited("info", "request refused", code=error.code.value, request=request)
+        elif isinstance(error, StoreUnavailable):
+            self.log_limited("warning", "redis unavailable", error=str(exc))
+        elif isinstance(exc, WsinferError):
+            self.log_limited("warning", "request failed", code=error.code.value)
+        else:
+            self.log_limited("exception", "request failed", request=request)
 
     async def _healthz(self) -> Response:
         if self.draining:
@@ -291,24 +302,10 @@ class Connection:
             except Exception as exc:  # every failure becomes an error message
                 error = to_protocol_error(exc)
                 cause = error.__cause__ if isinstance(error.__cause__, Exception) else exc
-                self._log_failure(cause, error, type(message).__name__)
+                self.frontend.log_failure(cause, error, type(message).__name__)
                 session = getattr(message, "session", None)
                 self.protocol.fail(error, msg_id=message.id, session=session)
         self.flush()
-
-    def _log_failure(self, exc: Exception, error: WsinferError, request: str) -> None:
-        """Client mistakes are one INFO line; outages one WARNING; only our own
-        bugs get a traceback. Repeats of each are rate-limited."""
-        if isinstance(error, ClientError):
-            self.frontend.log_limited(
-                "info", "request refused", code=error.code.value, request=request
-            )
-        elif isinstance(error, StoreUnavailable):
-            self.frontend.log_limited("warning", "redis unavailable", error=str(exc))
-        elif isinstance(exc, WsinferError):
-            self.frontend.log_limited("warning", "request failed", code=error.code.value)
-        else:
-            self.frontend.log_limited("exception", "request failed", request=request)
 
     def flush(self) -> None:
         self.sender.schedule()
@@ -340,6 +337,11 @@ class Connection:
             self.flush()
 
         return deliver
+
+
+def _public(path: str) -> bool:
+    """Routes anyone who can reach the server may read: no key asked."""
+    return path in ("/", "/healthz", "/metrics") or path.startswith("/static/")
 
 
 def _select_subprotocol(conn: ServerConnection, offered: Any) -> Any:

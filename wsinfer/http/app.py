@@ -19,8 +19,8 @@ import h11
 import structlog
 from websockets.http11 import Request
 
+from wsinfer.access import CORS_METHODS, Denied, one_header, request_path, shorten
 from wsinfer.contract import ClientMessageType
-from wsinfer.errors import InternalError
 from wsinfer.handlers import to_protocol_error
 from wsinfer.http.connection import HttpConnection, HttpRequest, HttpResponse
 from wsinfer.http.openai import (
@@ -33,7 +33,6 @@ from wsinfer.http.openai import (
     turn_error,
 )
 from wsinfer.http.peer import HttpPeer
-from wsinfer.limits import origin_allowed
 from wsinfer.messages import Resume, SessionCommand
 from wsinfer.sessions.states import Status
 
@@ -49,6 +48,7 @@ CONTROL_WAIT_S = 10.0
 SESSION_HEADER = "X-Wsinfer-Session"
 TOKEN_HEADER = "X-Wsinfer-Token"
 TURN_HEADER = "X-Wsinfer-Turn"
+MAX_DIGITS = 18  # a seq or turn number; longer is no integer we could have sent
 
 Handler = Callable[..., Awaitable[HttpResponse]]
 
@@ -106,45 +106,55 @@ class HttpApp:
     # --- dispatch ---------------------------------------------------------------------
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
+        cors: list[tuple[str, str]] = []
         try:
-            return await self._route(request)
+            cors = self.frontend.access.cors(request.headers)
+            response = await self._route(request)
+        except Denied as exc:
+            self.frontend.refused(exc.code, path=shorten(request.target))
+            response = error_response(OpenAIError(exc.status, exc.message, code=exc.code))
         except OpenAIError as exc:
-            return error_response(exc)
+            self._log_refusal(exc, request)
+            response = error_response(exc)
         except Exception as exc:  # every failure becomes an OpenAI-shaped error
             error = to_protocol_error(exc)
-            if isinstance(error, InternalError):
-                log.exception("http request failed", path=request.path)
-            return error_response(OpenAIError.from_wsinfer(error))
+            cause = error.__cause__ if isinstance(error.__cause__, Exception) else exc
+            self.frontend.log_failure(cause, error, shorten(request.path))
+            response = error_response(OpenAIError.from_wsinfer(error))
+        response.headers.extend(cors)  # a page may read errors too, not only answers
+        return response
+
+    def _log_refusal(self, exc: OpenAIError, request: HttpRequest) -> None:
+        if exc.status < 500:
+            self.frontend.refused(exc.code or "bad_request", path=shorten(request.path))
+        else:
+            self.frontend.log_limited("warning", "request failed", code=exc.code)
 
     async def _route(self, request: HttpRequest) -> HttpResponse:
-        path = request.path
+        path = request_path(request.target)
         if not path.startswith("/v1/") or path == "/v1/ws":
             return await self._plain(request)
+        access = self.frontend.access
+        # A browser's preflight carries no credentials: it is answered before the key.
+        access.check(request.headers, request.target, needs_key=request.method != "OPTIONS")
+        if request.method == "OPTIONS":
+            return HttpResponse(204, [("Allow", CORS_METHODS), *access.preflight(request.headers)])
+        # Only a client with the key learns which routes exist.
         for pattern, methods in self.routes:
             match = pattern.fullmatch(path)
             if match is None:
                 continue
             if request.method not in methods:
-                raise OpenAIError(405, f"{request.method} is not allowed on {path}", code="method")
-            self._check_origin(request)
-            self._authorize(request)
+                message = f"{request.method} is not allowed on {shorten(path)}"
+                allow = [("Allow", ", ".join([*methods, "OPTIONS"]))]
+                raise OpenAIError(405, message, code="method", headers=allow)
             return await methods[request.method](request, **match.groupdict())
-        raise OpenAIError(404, f"no route {path}", code="not_found")
-
-    def _check_origin(self, request: HttpRequest) -> None:
-        """As for WebSockets: a web page elsewhere must not drive this server."""
-        headers, allowed = request.headers, self.frontend.config.allowed_origins
-        if not origin_allowed(headers.get("Origin"), headers.get("Host"), allowed):
-            raise OpenAIError(403, "origin not allowed (see --allowed-origin)", code="forbidden")
-
-    def _authorize(self, request: HttpRequest) -> None:
-        if not self.frontend._authorized(Request(request.target, request.headers)):
-            raise OpenAIError(401, "bad or missing API key", code="invalid_api_key")
+        raise OpenAIError(404, f"no route {shorten(path)}", code="not_found")
 
     async def _plain(self, request: HttpRequest) -> HttpResponse:
         if request.method != "GET":
-            message = f"{request.method} is not allowed on {request.path}"
-            raise OpenAIError(405, message, code="method")
+            message = f"{request.method} is not allowed on {shorten(request.path)}"
+            raise OpenAIError(405, message, code="method", headers=[("Allow", "GET")])
         as_handshake = Request(request.target, request.headers)
         answer = await self.frontend._process_request(None, as_handshake)
         if answer is None:  # /v1/ws, authorized, but not a WebSocket handshake
@@ -169,8 +179,8 @@ class HttpApp:
 
     async def chat_completions(self, request: HttpRequest) -> HttpResponse:
         config = self.frontend.config
-        session = request.headers.get(SESSION_HEADER)
-        token = request.headers.get(TOKEN_HEADER)
+        session = one_header(request.headers, SESSION_HEADER)
+        token = one_header(request.headers, TOKEN_HEADER)
         chat = parse_chat_request(request.body, config.limits, config.model_name, session, token)
         peer = self._open_peer()
         try:
@@ -243,7 +253,8 @@ class HttpApp:
         """Resume: the turn's deltas after ``Last-Event-ID``, then live (a paused turn goes on)."""
         token = _session_token(request)
         after = _non_negative(
-            request.headers.get("Last-Event-ID") or request.query.get("after"), "Last-Event-ID"
+            one_header(request.headers, "Last-Event-ID") or request.query.get("after"),
+            "Last-Event-ID",
         )
         wanted = request.query.get("turn")
         info = await self.frontend.store.info(session, token)
@@ -345,7 +356,7 @@ def _info_body(session: str, turn: int, status: str, seq: int) -> dict[str, Any]
 
 def _session_token(request: HttpRequest) -> str:
     """The session's resume token: a header, or a query parameter for ``EventSource``."""
-    token = request.headers.get(TOKEN_HEADER) or request.query.get("session_token")
+    token = one_header(request.headers, TOKEN_HEADER) or request.query.get("session_token")
     if not token:
         raise bad_request(f"the {TOKEN_HEADER} header (or ?session_token=) is required")
     return token
@@ -354,6 +365,7 @@ def _session_token(request: HttpRequest) -> str:
 def _non_negative(value: str | None, name: str) -> int:
     if value is None or value == "":
         return 0
-    if not value.isdigit():
+    # ASCII digits only ("²".isdigit() is true), short enough to be a seq.
+    if not (value.isascii() and value.isdigit() and len(value) <= MAX_DIGITS):
         raise bad_request(f"{name} must be a non-negative integer", name)
     return int(value)

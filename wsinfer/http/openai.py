@@ -14,9 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from wsinfer.access import shorten
 from wsinfer.contract import ErrorCode
-from wsinfer.errors import WsinferError
-from wsinfer.messages import Generate, Limits, parse_client_message
+from wsinfer.errors import BadRequest, WsinferError
+from wsinfer.messages import MAX_DEPTH, Generate, Limits, check_value, parse_client_message
 
 OBJECT_CHUNK = "chat.completion.chunk"
 
@@ -70,6 +71,7 @@ class OpenAIError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after: float | None = None,
+        headers: list[tuple[str, str]] | None = None,
     ) -> None:
         # Messages and params quote client input (a 300 kB field name): cut short.
         message, param = _cut(message, 500), None if param is None else _cut(param, 100)
@@ -79,6 +81,7 @@ class OpenAIError(Exception):
         self.code = code
         self.param = param
         self.retry_after = retry_after
+        self.extra = headers or []
 
     @property
     def type(self) -> str:
@@ -92,9 +95,9 @@ class OpenAIError(Exception):
 
     def headers(self) -> list[tuple[str, str]]:
         if self.retry_after is None and self.status not in (429, 503):
-            return []
+            return list(self.extra)
         # Retry-After takes whole seconds; never tell a client to retry at once.
-        return [("Retry-After", str(max(1, math.ceil(self.retry_after or 1))))]
+        return [("Retry-After", str(max(1, math.ceil(self.retry_after or 1)))), *self.extra]
 
     @classmethod
     def from_wsinfer(cls, exc: WsinferError) -> OpenAIError:
@@ -128,7 +131,8 @@ def parse_chat_request(
         raise bad_request("you must provide a model parameter (a string)", "model")
     if data["model"] != model:
         raise OpenAIError(
-            404, f"The model {data.get('model')!r} does not exist; this server serves {model!r}",
+            404, f"The model {shorten(data['model'], 64)!r} does not exist; "
+            f"this server serves {model!r}",
             code="model_not_found", param="model",
         )  # fmt: skip
     stream = _flag(data, "stream")
@@ -149,10 +153,17 @@ def parse_chat_request(
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
+    """The body as the WebSocket door reads a frame: the same depth, Unicode and
+    integer rules, so nothing it holds can fail later (say, in an error's echo)."""
     try:
         data = json.loads(body)
+        check_value(data)
+    except RecursionError as exc:
+        raise bad_request(f"the body is nested more than {MAX_DEPTH} deep") from exc
+    except BadRequest as exc:
+        raise bad_request(exc.message) from exc
     except ValueError as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}") from exc
+        raise bad_request(f"the body is not valid JSON: {shorten(str(exc), 200)}") from exc
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
     return data
@@ -164,9 +175,11 @@ def _check_fields(data: dict[str, Any]) -> None:
     for name in data:
         if name in _OFF_VALUES:
             if data[name] not in _OFF_VALUES[name]:
-                raise bad_request(f"{name}={data[name]!r} is not supported", name, "unsupported")
+                value = shorten(repr(data[name]), 64)
+                raise bad_request(f"{name}={value} is not supported", name, "unsupported")
         elif name not in known and name not in _IGNORED:
-            raise bad_request(f"Unrecognized request argument supplied: {name}", name)
+            quoted = shorten(name, 64)
+            raise bad_request(f"Unrecognized request argument supplied: {quoted}", quoted)
     response_format = data.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise bad_request("only response_format {type: text} is supported", "response_format")
@@ -280,11 +293,14 @@ def openai_usage(usage: dict[str, int]) -> dict[str, Any]:
 
 
 def turn_error(done: dict[str, Any]) -> OpenAIError:
-    """A turn that ended with ``finish_reason: error`` (the engine failed it)."""
+    """A turn that ended with ``finish_reason: error``, by the code the engine chose:
+    a prompt longer than the model's context is the client's (400 ``too_large``,
+    as OpenAI's and vLLM's 400), not ours (a 500, which the OpenAI SDK retries)."""
     error = done.get("error") or {}
-    return OpenAIError(
-        500, str(error.get("message", "the turn failed")), code=str(error.get("code", "internal"))
-    )
+    code = str(error.get("code", "internal"))
+    message = str(error.get("message", "the turn failed"))
+    param = "messages" if code == ErrorCode.TOO_LARGE else None
+    return OpenAIError(STATUS_BY_CODE.get(code, 500), message, code=code, param=param)
 
 
 def sse(data: dict[str, Any] | str, event_id: int | None = None) -> bytes:
