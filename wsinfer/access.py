@@ -137,10 +137,10 @@ class Access:
             ("Vary", "Origin"),
         ]
 
-    def preflight(self, headers: Headers) -> list[tuple[str, str]]:
-        """A CORS preflight's answer headers (its ``Origin`` was checked already)."""
+    @staticmethod
+    def preflight() -> list[tuple[str, str]]:
+        """What a CORS preflight's answer adds to ``cors`` (its Origin was checked)."""
         return [
-            *self.cors(headers),
             ("Access-Control-Allow-Methods", CORS_METHODS),
             ("Access-Control-Allow-Headers", CORS_REQUEST_HEADERS),
             ("Access-Control-Max-Age", str(CORS_MAX_AGE_S)),

@@ -138,7 +138,7 @@ class HttpApp:
         # A browser's preflight carries no credentials: it is answered before the key.
         access.check(request.headers, request.target, needs_key=request.method != "OPTIONS")
         if request.method == "OPTIONS":
-            return HttpResponse(204, [("Allow", CORS_METHODS), *access.preflight(request.headers)])
+            return HttpResponse(204, [("Allow", CORS_METHODS), *access.preflight()])
         # Only a client with the key learns which routes exist.
         for pattern, methods in self.routes:
             match = pattern.fullmatch(path)
