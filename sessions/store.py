@@ -327,8 +327,8 @@ class SessionStore:
     async def engines_alive(self, within_s: float) -> int:
         return int(await self.redis.zcount(keys.ENGINES, time.time() - within_s, "+inf"))
 
-    async def capacity(self, within_s: float) -> tuple[frozenset[str], int]:
-        """The engines alive now and the turns waiting for one, in one round trip."""
+    async def capacity(self, within_s: float) -> QueueState:
+        """The engines alive now and the shared queue's counters, in one round trip."""
         pipe: Pipeline = self.redis.pipeline(transaction=False)
         pipe.zrangebyscore(keys.ENGINES, time.time() - within_s, "+inf")
         pipe.xinfo_groups(keys.REQUESTS)
@@ -338,9 +338,17 @@ class SessionStore:
             raise names
         alive = frozenset(as_str(n) for n in names)
         if isinstance(groups, Exception) or isinstance(length, Exception):
-            return alive, 0  # no queue yet: nothing is waiting
-        lag = engine_group_lag(groups)
-        return alive, int(length) if lag is None else lag
+            return QueueState(alive, 0, None, 0)  # no queue yet: nothing is waiting
+        group = next((g for g in groups if as_str(g["name"]) == keys.ENGINE_GROUP), None)
+        if group is None:
+            return QueueState(alive, int(length), None, 0)
+        taken = group.get("entries-read")  # Redis 7: the group's count of entries read
+        return QueueState(
+            alive,
+            int(group.get("lag") or 0),
+            None if taken is None else int(taken),
+            int(group.get("pending") or 0),
+        )
 
     async def queue_depth(self) -> int:
         """Turns queued but not yet taken by any engine."""
@@ -350,6 +358,16 @@ class SessionStore:
             return 0
         lag = engine_group_lag(groups)
         return int(await self.redis.xlen(keys.REQUESTS)) if lag is None else lag
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """The shared work queue as a frontend's admission sees it."""
+
+    alive: frozenset[str]  # engines with a fresh heartbeat
+    waiting: int  # turns queued that no engine has taken
+    taken: int | None  # turns the engines ever took from it (None: not known)
+    running: int  # turns taken and not finished (acknowledged at their end)
 
 
 def _started(session: str, token: str, turn: int, repeat: tuple[int, str] | None) -> Started:
@@ -380,6 +398,7 @@ __all__ = [
     "SessionInfo",
     "SessionNotFound",
     "SessionStore",
+    "QueueState",
     "Started",
     "Status",
     "TurnInput",

@@ -96,8 +96,12 @@ class OpenAIError(Exception):
     def headers(self) -> list[tuple[str, str]]:
         if self.retry_after is None and self.status not in (429, 503):
             return list(self.extra)
-        # Retry-After takes whole seconds; never tell a client to retry at once.
-        return [("Retry-After", str(max(1, math.ceil(self.retry_after or 1)))), *self.extra]
+        # Retry-After takes whole seconds; never tell a client to retry at once. The
+        # OpenAI SDKs read retry-after-ms first: the exact wait, so that clients told
+        # different times within a second do not all come back on the second.
+        after = self.retry_after or 1.0
+        exact = [("retry-after-ms", str(math.ceil(after * 1000)))]
+        return [("Retry-After", str(max(1, math.ceil(after)))), *exact, *self.extra]
 
     @classmethod
     def from_wsinfer(cls, exc: WsinferError) -> OpenAIError:
