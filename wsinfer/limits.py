@@ -84,8 +84,8 @@ class CapacityGate:
             state = await self._fetch()
             self._state, self._taken_at, self._since = state, self._clock(), 0
             self.drain.observe(self._taken_at, state)
-            if state.waiting <= self.max_queued // 2:
-                self.line.reset()  # room for all it promised: whoever comes gets in
+            if state.waiting == 0:
+                self.line.reset()  # nothing waits: whoever comes gets in, promised or not
             return state
         finally:
             self._inflight = None

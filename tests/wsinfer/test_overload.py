@@ -137,3 +137,15 @@ async def test_refusing_asks_redis_nothing() -> None:
 def test_http_says_the_wait_to_the_millisecond() -> None:
     headers = dict(OpenAIError(429, "busy", code="overloaded", retry_after=2.3456).headers())
     assert headers == {"Retry-After": "3", "retry-after-ms": "2346"}
+
+
+def test_the_burst_benchmark_runs_both_modes_on_a_real_serve() -> None:
+    from benchmarks.bench_overload import main
+
+    rows = main(["--sessions", "40", "--tokens", "8", "--model", "fake:10", "--batch", "4",
+                 "--queue", "8"])  # fmt: skip
+    assert [row["mode"] for row in rows] == ["before", "after"]
+    for row in rows:  # every session finished (else main raises) and was counted
+        assert row["refused"] > 0 and row["deltas_per_s"] > 0
+    # Told the truth, the clients come back when there is room.
+    assert rows[1]["retries_mean"] < rows[0]["retries_mean"]
