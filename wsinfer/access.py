@@ -56,6 +56,11 @@ def shorten(text: str, limit: int = 100) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def is_public(path: str) -> bool:
+    """Routes anyone who can reach the server may read: no key asked."""
+    return path in ("/", "/healthz", "/metrics") or path.startswith("/static/")
+
+
 def request_path(target: str) -> str:
     """The path of a request target (``Denied`` for one that is not a URL)."""
     try:

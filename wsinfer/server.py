@@ -25,7 +25,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from wsinfer.access import Access, Denied, request_path, shorten
+from wsinfer.access import Access, Denied, is_public, request_path, shorten
 from wsinfer.contract import CloseCode, ErrorCode
 from wsinfer.errors import ClientError, StoreUnavailable, WsinferError
 from wsinfer.fanin import make_fanin
@@ -198,7 +198,7 @@ class Frontend:
     ) -> Response | None:
         try:
             path = request_path(request.path)
-            self.access.check(request.headers, request.path, needs_key=not _public(path))
+            self.access.check(request.headers, request.path, needs_key=not is_public(path))
         except Denied as exc:
             self.refused(exc.code, path=shorten(request.path))
             return _text(HTTPStatus(exc.status), f"{exc.message}\n")
@@ -337,11 +337,6 @@ class Connection:
             self.flush()
 
         return deliver
-
-
-def _public(path: str) -> bool:
-    """Routes anyone who can reach the server may read: no key asked."""
-    return path in ("/", "/healthz", "/metrics") or path.startswith("/static/")
 
 
 def _select_subprotocol(conn: ServerConnection, offered: Any) -> Any:

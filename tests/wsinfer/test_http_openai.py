@@ -90,9 +90,11 @@ def test_values_are_checked_by_the_websocket_parser() -> None:
 
 def test_error_shape_status_and_retry_after() -> None:
     busy = OpenAIError.from_wsinfer(Overloaded("busy", retry_after=0.2))
-    assert busy.status == 429 and busy.headers() == [("Retry-After", "1")]
+    assert busy.status == 429
+    assert busy.headers() == [("Retry-After", "1"), ("retry-after-ms", "200")]
     down = OpenAIError.from_wsinfer(EngineUnavailable("down", retry_after=5.0))
-    assert down.status == 503 and down.headers() == [("Retry-After", "5")]
+    assert down.status == 503
+    assert down.headers() == [("Retry-After", "5"), ("retry-after-ms", "5000")]
     assert set(down.body()["error"]) == {"message", "type", "param", "code"}
     assert down.body()["error"]["type"] == "server_error"
 

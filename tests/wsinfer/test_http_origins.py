@@ -133,7 +133,8 @@ async def test_other_origins_get_no_cors(keyed_frontend: Frontend) -> None:
 
 async def test_routes_are_answered_only_after_the_key(keyed_frontend: Frontend) -> None:
     async with client(keyed_frontend) as http:
-        for method, path in [("GET", "/v1/nope"), ("PUT", "/v1/models"), ("GET", "/nope")]:
+        unknown = [("GET", "/v1/nope"), ("PUT", "/v1/models"), ("GET", "/nope"), ("POST", "/x")]
+        for method, path in unknown:
             answer = await http.request(method, path)
             assert answer.status_code == 401, (method, path, answer.text)
         auth = {"Authorization": f"Bearer {KEY}"}

@@ -19,7 +19,14 @@ import h11
 import structlog
 from websockets.http11 import Request
 
-from wsinfer.access import CORS_METHODS, Denied, one_header, request_path, shorten
+from wsinfer.access import (
+    CORS_METHODS,
+    Denied,
+    is_public,
+    one_header,
+    request_path,
+    shorten,
+)
 from wsinfer.contract import ClientMessageType
 from wsinfer.handlers import to_protocol_error
 from wsinfer.http.connection import HttpConnection, HttpRequest, HttpResponse
@@ -119,14 +126,14 @@ class HttpApp:
         except Exception as exc:  # every failure becomes an OpenAI-shaped error
             error = to_protocol_error(exc)
             cause = error.__cause__ if isinstance(error.__cause__, Exception) else exc
-            self.frontend.log_failure(cause, error, shorten(request.path))
+            self.frontend.log_failure(cause, error, shorten(request.target))
             response = error_response(OpenAIError.from_wsinfer(error))
         response.headers.extend(cors)  # a page may read errors too, not only answers
         return response
 
     def _log_refusal(self, exc: OpenAIError, request: HttpRequest) -> None:
         if exc.status < 500:
-            self.frontend.refused(exc.code or "bad_request", path=shorten(request.path))
+            self.frontend.refused(exc.code or "bad_request", path=shorten(request.target))
         else:
             self.frontend.log_limited("warning", "request failed", code=exc.code)
 
@@ -153,7 +160,10 @@ class HttpApp:
 
     async def _plain(self, request: HttpRequest) -> HttpResponse:
         if request.method != "GET":
-            message = f"{request.method} is not allowed on {shorten(request.path)}"
+            path = request_path(request.target)  # the key first: then what is not allowed
+            public = is_public(path)
+            self.frontend.access.check(request.headers, request.target, needs_key=not public)
+            message = f"{request.method} is not allowed on {shorten(path)}"
             raise OpenAIError(405, message, code="method", headers=[("Allow", "GET")])
         as_handshake = Request(request.target, request.headers)
         answer = await self.frontend._process_request(None, as_handshake)
