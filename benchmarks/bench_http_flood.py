@@ -40,7 +40,7 @@ from tests.stack import start_serve, stop_serve  # noqa: E402
 
 MIB = 1 << 20
 # A request padded to ~8 KB, so that a flood is parsed in thousands of requests, not millions.
-PADDED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 8000 + b"\r\n\r\n"
+PADDED = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"p" * 8000 + b"\r\n\r\n"
 # No progress for this long: the server has stopped reading.
 STALL_S = 2.0
 
@@ -67,7 +67,8 @@ def completion(max_tokens: int) -> bytes:
             "max_tokens": max_tokens,
         }
     ).encode()
-    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+    head += "Content-Type: application/json\r\n"
     return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
 
 

@@ -21,7 +21,7 @@ from wsinfer.http import connection
 from wsinfer.server import Frontend, FrontendConfig
 
 IDLE_PAUSE_S = 1.5
-MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+MODELS = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def completion(max_tokens: int, stream: bool = False, headers: str = "") -> byte
             "stream": stream,
         }
     ).encode()
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{headers}"
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n{headers}"
     return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
 
 
@@ -172,7 +172,7 @@ async def test_head_limits_hold_however_the_bytes_are_split(
     serve: tuple[int, Path, int], name: str, after_a_request: bool, piece: int | None
 ) -> None:
     head, status = BIG_HEADS[name]
-    head = head.replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nHost: x\r\n", 1)
+    head = head.replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nHost: localhost\r\n", 1)
     reader, writer = await asyncio.open_connection("127.0.0.1", serve[0])
     if after_a_request:
         writer.write(MODELS)
@@ -194,7 +194,7 @@ async def test_content_length_and_chunked_together_are_refused(
     writer.write(MODELS)
     assert (await read_response(reader))[0] == 200
     writer.write(
-        b"POST /v1/nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+        b"POST /v1/nowhere HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + MODELS
     )
     status, _, body = await read_response(reader)
@@ -208,7 +208,7 @@ async def test_head_gets_405_without_a_body_and_the_connection_goes_on(
 ) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", serve[0])
     for path in (b"/v1/models", b"/healthz", b"/"):
-        writer.write(b"HEAD " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"HEAD " + path + b" HTTP/1.1\r\nHost: localhost\r\n\r\n")
         status, headers, _ = await read_response(reader, head_only=True)
         assert status == 405 and int(headers["content-length"]) > 0
     writer.write(MODELS)  # nothing of a body was sent: the next answer is whole
@@ -293,7 +293,7 @@ async def test_odd_header_fields_get_an_answer(
     serve: tuple[int, Path, int], extra: bytes, status: int
 ) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", serve[0])
-    writer.write(MODELS.replace(b"Host: x\r\n", b"Host: x\r\n" + extra))
+    writer.write(MODELS.replace(b"Host: localhost\r\n", b"Host: localhost\r\n" + extra))
     assert (await read_response(reader))[0] == status
     writer.close()
 
@@ -306,7 +306,7 @@ async def test_error_answers_quote_client_input_cut_short(serve: tuple[int, Path
         response = await http.post("/v1/chat/completions", content=body)
     assert response.status_code == 400 and len(response.content) < 1000
     reader, writer = await asyncio.open_connection("127.0.0.1", serve[0])
-    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n" + b"no colon here " * 600 + b"\r\n\r\n")
+    writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\n" + b"no colon here " * 600 + b"\r\n\r\n")
     status, _, answer = await read_response(reader)
     assert status == 400 and len(answer) < 1000, answer[:300]
     writer.close()
