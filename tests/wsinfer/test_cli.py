@@ -3,6 +3,8 @@ and `wsinfer serve` hands its engine the same settings."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from wsinfer.cli import _engine_argv, build_parser, engine_configs
@@ -101,3 +103,27 @@ def test_numeric_environment_values_are_read(monkeypatch: pytest.MonkeyPatch) ->
 def test_serve_hands_its_engine_its_session_ttl() -> None:
     serve = build_parser().parse_args(["serve", "--session-ttl", "60"])
     assert engine_configs(engine_args(*_engine_argv(serve)))[0].session_ttl_s == 60
+
+
+def test_serve_hands_its_engine_the_model_revision_and_chat_template(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "template.jinja").write_text("{{ messages }}")
+    monkeypatch.chdir(tmp_path)
+    serve = build_parser().parse_args(
+        ["serve", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--revision", "v1",
+         "--chat-template", "template.jinja"]
+    )  # fmt: skip
+    engine = engine_args(*_engine_argv(serve))
+    assert (engine.model, engine.revision) == ("Qwen/Qwen2.5-0.5B-Instruct", "v1")
+    assert engine.chat_template == str(tmp_path / "template.jinja")
+
+
+def test_a_missing_chat_template_file_is_refused_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        engine_args("--chat-template", str(tmp_path / "nope.jinja"))
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--chat-template" in err and "No such file or directory" in err
