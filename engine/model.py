@@ -168,11 +168,19 @@ def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 def _max_context(config: Any) -> int:
+    """The model's context, capped to its attention window where it has one (Mistral,
+    Phi-3): no core masks by the window, so beyond it the output would not be the model's."""
+    from .families import sliding_window
+
+    limit = 2048
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, attr, None)
+        value = getattr(text, attr, None)
         if isinstance(value, int) and value > 0:
-            return value
-    return 2048
+            limit = value
+            break
+    window = sliding_window(text)
+    return min(limit, window) if window else limit
 
 
 def _input_device(model: Any) -> torch.device:
