@@ -127,3 +127,16 @@ async def test_the_wheel_serves_the_default_model(venv: Path, tmp_path: Path) ->
     finally:
         process.terminate()
         process.wait(60)
+
+
+def test_serve_run_inside_a_checkout_uses_the_installed_package(venv: Path) -> None:
+    """Its engine process must not import the checkout's wsinfer/ folder (which has no
+    wsinfer.engine: only an install maps it there) from the working directory."""
+    done = subprocess.run(
+        [venv / "bin" / "wsinfer", "serve", "--port", "0", "--model", "./no/such/model"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 1
+    output = done.stdout + done.stderr
+    assert "ModuleNotFoundError" not in output
+    assert "'./no/such/model': no such file or directory" in output
