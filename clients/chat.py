@@ -41,9 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key", default=os.environ.get("WSINFER_API_KEY"), help="API key (or $WSINFER_API_KEY)"
     )
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="answer length limit (server default)"
+    )
     parser.add_argument("--system", default=None, help="system prompt for each new session")
-    parser.add_argument("--codec", choices=("msgpack", "json"), default="msgpack")
+    parser.add_argument(
+        "--codec", choices=("msgpack", "json"), default="msgpack", help="wire encoding"
+    )
     parser.add_argument(
         "--history-file",
         default=None,

@@ -398,7 +398,10 @@ def _timing_event() -> torch.cuda.Event:
 def build_core(loaded: LoadedModel, config: EngineConfig | None = None) -> Any:
     """The paged ``EngineCore`` where the model family is supported, else the eager one."""
     try:
-        return EngineCore(loaded, config)
+        core = EngineCore(loaded, config)
     except UnsupportedModel as exc:
         log.info("using the eager engine", reason=str(exc))
         return EagerEngineCore(loaded, config)
+    family = core.model.config.model_type
+    log.info("using the fast engine", reason=f"model type {family!r} is one of its families")
+    return core

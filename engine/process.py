@@ -486,6 +486,8 @@ def run_engine(
     dtype: str = "float32",
     config: ProcessConfig | None = None,
     core_config: EngineConfig | None = None,
+    revision: str | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Check Redis and the metrics port, load the model, then serve turns until stopped.
 
@@ -507,7 +509,13 @@ def run_engine(
         core, loaded = fake_engine(str(model_spec), core_config)
     else:
         try:
-            loaded = load_model(model_spec, device=device, dtype=dtype)
+            loaded = load_model(
+                model_spec,
+                device=device,
+                dtype=dtype,
+                revision=revision,
+                chat_template=chat_template,
+            )
         except ModelLoadError as exc:
             raise StartupError(str(exc)) from None
     log.info("model loaded", model=loaded.name, seconds=round(time.monotonic() - started, 1))

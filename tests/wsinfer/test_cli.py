@@ -3,6 +3,13 @@ and `wsinfer serve` hands its engine the same settings."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from wsinfer.cli import _engine_argv, build_parser, engine_configs
@@ -101,3 +108,95 @@ def test_numeric_environment_values_are_read(monkeypatch: pytest.MonkeyPatch) ->
 def test_serve_hands_its_engine_its_session_ttl() -> None:
     serve = build_parser().parse_args(["serve", "--session-ttl", "60"])
     assert engine_configs(engine_args(*_engine_argv(serve)))[0].session_ttl_s == 60
+
+
+def test_serve_hands_its_engine_the_model_revision_and_chat_template(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "template.jinja").write_text("{{ messages }}")
+    monkeypatch.chdir(tmp_path)
+    serve = build_parser().parse_args(
+        ["serve", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--revision", "v1",
+         "--chat-template", "template.jinja"]
+    )  # fmt: skip
+    engine = engine_args(*_engine_argv(serve))
+    assert (engine.model, engine.revision) == ("Qwen/Qwen2.5-0.5B-Instruct", "v1")
+    assert engine.chat_template == str(tmp_path / "template.jinja")
+
+
+def test_a_missing_chat_template_file_is_refused_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        engine_args("--chat-template", str(tmp_path / "nope.jinja"))
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--chat-template" in err and "No such file or directory" in err
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", ["serve", "frontend", "engine", "chat"])
+def test_every_flag_has_a_help_line_and_shows_its_default(command: str) -> None:
+    parser = subcommands()[command]
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS:
+            continue  # internal (--exit-with-parent): not for people
+        assert action.help, f"{command} {action.option_strings} has no help"
+    text = parser.format_help()
+    if command != "chat":
+        assert "(default: 60)" in text  # --idle-pause
+    if command in ("serve", "frontend"):
+        assert "(default: 8000)" in text and "(default: 127.0.0.1)" in text
+        assert "(default: 256)" in text  # --max-queued-turns
+
+
+def test_the_top_level_help_is_for_users(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "WSINFER_<FLAG>" in text
+    assert "argparse" not in text and "``" not in text  # no notes from the source
+
+
+def test_help_never_prints_a_secret_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WSINFER_API_KEYS", "key-one")
+    monkeypatch.setenv("WSINFER_REDIS_URL", "redis://:hunter2@redis:6379/0")
+    text = subcommands()["frontend"].format_help()
+    assert "key-one" not in text and "hunter2" not in text
+    assert "redis://:***@redis:6379/0" in text
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"wsinfer {version('wsinfer-stream')}"
+
+
+def test_a_busy_port_is_reported_before_anything_heavy_is_imported(tmp_path: Path) -> None:
+    """`wsinfer serve --model X` on a busy port: one line, exit 1, and torch never
+    imported (that import alone took seconds before the port was even tried)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "wsinfer", "serve",
+             "--port", str(port), "--model", "Qwen/Qwen2.5-0.5B-Instruct"],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )  # fmt: skip
+    lines = (done.stdout + done.stderr).splitlines()
+    imported = [line.split("|")[-1].strip() for line in lines if line.startswith("import time:")]
+    errors = [line for line in lines if "[error" in line]
+    assert done.returncode == 1
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0]
+    assert "address already in use" in errors[0]
+    assert "torch" not in imported and "transformers" not in imported
