@@ -203,6 +203,26 @@ async def test_content_length_and_chunked_together_are_refused(
     writer.close()
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["first-request", "later-request"])
+@pytest.mark.parametrize(
+    "framing",
+    [b"Content-Length: 5\r\n\r\nhello", b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"],
+    ids=["length", "chunked"],
+)
+async def test_a_websocket_handshake_with_a_body_is_answered(
+    serve: tuple[int, Path, int], first: bool, framing: bytes
+) -> None:
+    """websockets drops a handshake that has a body without a word: the HTTP side
+    answers it instead (426), whether it opens the connection or follows a request."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", serve[0])
+    if not first:
+        writer.write(MODELS)
+        assert (await read_response(reader))[0] == 200
+    writer.write(b"GET /v1/ws HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\n" + framing)
+    assert (await read_response(reader))[0] == 426
+    writer.close()
+
+
 async def test_head_gets_405_without_a_body_and_the_connection_goes_on(
     serve: tuple[int, Path, int],
 ) -> None:

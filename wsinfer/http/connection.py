@@ -180,8 +180,7 @@ class HttpConnection(asyncio.Protocol):
                 request = await self._read_request()
                 if request is None:
                     return
-                upgrade = ", ".join(request.headers.get_all("Upgrade"))  # may be repeated
-                if wants_websocket(request.method, upgrade):
+                if _is_handshake(request):
                     self._hand_over(request)
                     return
                 if not await self._answer(request):
@@ -372,9 +371,20 @@ def _cut(text: str) -> str:
     return text if len(text) <= MAX_QUOTE_CHARS else text[: MAX_QUOTE_CHARS - 3] + "..."
 
 
-def wants_websocket(method: str, upgrade: str) -> bool:
-    """A WebSocket opening handshake goes to websockets; anything else is plain HTTP."""
-    return method == "GET" and "websocket" in upgrade.lower()
+def wants_websocket(method: str, upgrade: str, length: str | None, chunked: bool) -> bool:
+    """A WebSocket opening handshake goes to websockets; anything else is plain HTTP.
+
+    A handshake has no body: websockets drops one that has (no answer at all),
+    so such a request stays with the HTTP side, which answers it."""
+    has_body = chunked or (length is not None and length.strip() != "0")
+    return method == "GET" and "websocket" in upgrade.lower() and not has_body
+
+
+def _is_handshake(request: HttpRequest) -> bool:
+    headers = request.headers
+    upgrade = ", ".join(headers.get_all("Upgrade"))  # may be repeated
+    length = ", ".join(headers.get_all("Content-Length")) or None
+    return wants_websocket(request.method, upgrade, length, "Transfer-Encoding" in headers)
 
 
 def raw_head(request: HttpRequest) -> bytes:

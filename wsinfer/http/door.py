@@ -94,8 +94,10 @@ class FrontDoor(ServerConnection):
 
 
 def _is_websocket(event: h11.Request) -> bool:
-    upgrade = dict(event.headers).get(b"upgrade", b"")
-    return wants_websocket(event.method.decode("latin-1"), upgrade.decode("latin-1"))
+    headers = {name: value.decode("latin-1") for name, value in event.headers}
+    method, upgrade = event.method.decode("latin-1"), headers.get("upgrade", "")
+    chunked = "transfer-encoding" in headers
+    return wants_websocket(method, upgrade, headers.get("content-length"), chunked)
 
 
 def front_door(app: HttpApp) -> type[FrontDoor]:
