@@ -33,6 +33,7 @@ from .kvpool import KVHandles, KVPool
 from .lifecycle import CoreBase, EngineConfig, EngineRequest, RequestOutput, Sequence
 from .llama import FastLlama, UnsupportedModel, fast_model_for
 from .model import LoadedModel
+from .quant import cpu_quantized_model
 from .runner import ModelRunner, PrefillPiece
 from .sampling import RowSampling, Variant, to_device, variant_of
 
@@ -72,6 +73,8 @@ class EngineCore(CoreBase):
         dtype = next(loaded.model.parameters()).dtype
         transposed = cfg.pack_cpu_weights and not on_cuda and dtype == torch.float32
         self.model: FastLlama = fast_model_for(loaded.model, self.max_context, transposed)
+        if transposed and cfg.quantized_cpu_weights and loaded.gguf is not None:
+            self.model = cpu_quantized_model(loaded.model, self.model, loaded.gguf)
         self.vocab_size = self.model.vocab_size
         max_blocks = -(-self.max_context // cfg.block_size)
         self.pool = self._allocate_pool()

@@ -51,6 +51,7 @@ class LoadedModel:
     device: torch.device
     eos_token_ids: set[int] = field(default_factory=set)
     max_context: int = 2048
+    gguf: Path | None = None  # the GGUF file the weights came from (the CPU engine reads it)
 
 
 def default_cache_dir() -> Path:
@@ -94,6 +95,7 @@ def load_model(
         device=_input_device(model),
         eos_token_ids=eos_token_ids(model, tokenizer),
         max_context=_max_context(model.config),
+        gguf=_gguf_source(spec),
     )
 
 
@@ -110,6 +112,13 @@ def _resolve(spec: str | None, revision: str | None, cache_dir: Path) -> tuple[P
     if source.gguf:
         return converted_gguf_dir(source.path, cache_dir), source.name
     return source.path, source.name
+
+
+def _gguf_source(spec: str | None) -> Path | None:
+    if spec is None:
+        return default_gguf_path()
+    path = Path(spec).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def converted_gguf_dir(gguf: Path, cache_dir: Path) -> Path:

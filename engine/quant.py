@@ -1,0 +1,214 @@
+"""The GGUF's quantized weights, kept quantized, for the CPU decode step.
+
+transformers de-quantizes a GGUF to float32 at load: SmolLM2-135M's Q4_1 file
+becomes ~0.54 GB that every decode step streams from memory, 6.4x what the file
+holds. A CPU step at batch 1-32 is bound by those bytes, so here the linear
+layers read the file's own blocks again and multiply with torch's int4
+weight-only CPU kernel (``_weight_int4pack_mm_for_cpu``, groups of 32 along the
+input, one scale and zero per group and output row: Q4_1's layout exactly).
+
+Q4_1 block (32 weights, 20 bytes): fp16 ``d``, fp16 ``m``, 16 bytes of nibbles
+(low nibbles: weights 0-15, high nibbles: 16-31); weight = d * q + m. The int4
+kernel computes (q - 8) * scale + zero, so scale = d and zero = m + 8 d.
+
+The kernel is fast only with bfloat16 activations (AVX-512 BF16 / AMX); the
+residual stream, norms, attention and the KV cache stay float32, and only a
+linear layer's input and output pass through bfloat16. That changes logits in
+their last bits, so tokens can differ from the float32 path where two candidates
+are nearly tied; every engine running the same weight format draws the same
+tokens (prefill, decode and a takeover all use these layers).
+
+The tied output layer (the Q8_0 token embedding: 32 weights per fp16 scale) has
+no int8 kernel with per-group scales; it runs as a bfloat16 matrix (half the
+float32 bytes). Other tensor types keep the float32 path.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from .llama import FastLlama
+
+GROUP = 32  # weights per Q4_1 block, and the int4 kernel's group size
+_Q4_1_BYTES = 20
+
+log = structlog.get_logger("wsinfer.engine.quant")
+
+
+class QuantError(ValueError):
+    """The GGUF file does not hold what the model's layers need."""
+
+
+class Int4Linear:
+    """``x @ W^T`` with W as int4 groups (bias-free); float32 in, float32 out."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """``codes`` int32 [out, in] in 0..15; ``scales`` / ``zeros`` float32 [out, in / 32]."""
+        self.out_features, self.in_features = codes.shape
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        # The kernel wants [in / 32, out, 2], in the activations' dtype.
+        pair = torch.stack([scales.t(), zeros.t()], dim=-1)
+        self.scales_zeros = pair.to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros
+        )
+        return out.to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+class Bf16Linear:
+    """``x @ W^T`` with W stored [in, out] in bfloat16 (the CPU's fast small-M layout)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight_t = weight.t().to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(torch.bfloat16) @ self.weight_t).to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.weight_t.nbytes
+
+
+# --- Q4_1 blocks -------------------------------------------------------------------
+
+
+def q4_1_parts(raw: np.ndarray, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_1 tensor's rows (``raw`` uint8 [rows, columns / 32 * 20]) as int32 codes
+    [rows, columns], float32 ``d`` and ``m`` [rows, columns / 32]."""
+    if columns % GROUP:
+        raise QuantError(f"Q4_1 rows of {columns} weights are not whole blocks")
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, columns // GROUP, _Q4_1_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., 4:]
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # [rows, blocks, 32]
+    return (
+        torch.from_numpy(codes.reshape(rows, columns).astype(np.int32)),
+        torch.from_numpy(d),
+        torch.from_numpy(m),
+    )
+
+
+def dequantize_q4_1(raw: np.ndarray, columns: int) -> torch.Tensor:
+    """float32 [rows, columns], as llama.cpp (and transformers' GGUF loader) compute it."""
+    codes, d, m = q4_1_parts(raw, columns)
+    rows = codes.shape[0]
+    grouped = codes.view(rows, -1, GROUP).float() * d.unsqueeze(-1) + m.unsqueeze(-1)
+    return grouped.view(rows, columns)
+
+
+def unpermute_rows(raw: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (rotary pairs interleaved) as transformers does."""
+    half = raw.shape[0] // heads // 2
+    return raw.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(raw.shape)
+
+
+def int4_linear(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Int4Linear:
+    """One ``Int4Linear`` over the rows of several Q4_1 tensors (fused q/k/v, gate/up)."""
+    codes, d, m = (torch.cat(column) for column in zip(*parts, strict=True))
+    return Int4Linear(codes, d, m + 8 * d)
+
+
+# --- the model ------------------------------------------------------------------------
+
+
+class GgufTensors:
+    """A GGUF file's tensors by name (memory-mapped by gguf-py's reader)."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = path
+        self.tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+
+    def q4_1(self, name: str, permute_heads: int | None = None) -> tuple[Any, ...]:
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise QuantError(f"{self.path.name} has no tensor {name!r}")
+        if tensor.tensor_type.name != "Q4_1":
+            raise QuantError(f"{name} is {tensor.tensor_type.name}, not Q4_1")
+        raw = np.asarray(tensor.data)
+        if permute_heads is not None:
+            raw = unpermute_rows(raw, permute_heads)
+        return q4_1_parts(raw, int(tensor.shape[0]))
+
+    def all_q4_1(self, names: list[str]) -> bool:
+        found = [self.tensors.get(n) for n in names]
+        return all(t is not None and t.tensor_type.name == "Q4_1" for t in found)
+
+
+def _layer_names(i: int) -> list[str]:
+    parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    return [f"blk.{i}.{p}.weight" for p in parts]
+
+
+def quantized_model(fast: FastLlama, gguf: Path) -> FastLlama:
+    """A copy of ``fast`` whose linear layers multiply the GGUF's own Q4_1 blocks.
+
+    Only plain Llama layers (no q/k/v bias) whose seven matrices are all Q4_1 are
+    replaced; the output layer becomes bfloat16. Raises ``QuantError`` if the file
+    does not match the model (a different file, or another architecture)."""
+    if fast.config.model_type != "llama":
+        raise QuantError(f"quantized CPU weights cover llama models, not {fast.config.model_type}")
+    tensors = GgufTensors(gguf)
+    quant = copy.copy(fast)
+    quant.layers = [copy.copy(layer) for layer in fast.layers]
+    for i, layer in enumerate(quant.layers):
+        if layer.qkv.bias is not None or not tensors.all_q4_1(_layer_names(i)):
+            continue
+        _quantize_layer(layer, i, tensors, fast)
+    quant.lm_head = Bf16Linear(_dense_weight(fast.lm_head))  # type: ignore[assignment]
+    return quant
+
+
+def _quantize_layer(layer: Any, i: int, tensors: GgufTensors, fast: FastLlama) -> None:
+    q, k, v, o, gate, up, down = _layer_names(i)
+    qkv = [
+        tensors.q4_1(q, fast.num_heads),
+        tensors.q4_1(k, fast.num_kv_heads),
+        tensors.q4_1(v),
+    ]
+    width = sum(part[0].shape[0] for part in qkv)
+    if width != layer.qkv(torch.zeros(1, _in_features(layer.qkv))).shape[-1]:
+        raise QuantError(f"{tensors.path.name}: layer {i}'s q/k/v do not match the model")
+    layer.qkv = int4_linear(qkv)
+    layer.o = int4_linear([tensors.q4_1(o)])
+    layer.gate_up = int4_linear([tensors.q4_1(gate), tensors.q4_1(up)])
+    layer.down = int4_linear([tensors.q4_1(down)])
+
+
+def _in_features(linear: Any) -> int:
+    weight = linear.weight
+    return int(weight.shape[0] if linear.transposed else weight.shape[1])
+
+
+def _dense_weight(linear: Any) -> torch.Tensor:
+    """[out, in] of an ``llama.Linear``."""
+    return linear.weight.t() if linear.transposed else linear.weight
+
+
+def cpu_quantized_model(model: Any, fast: FastLlama, gguf: Path) -> FastLlama:
+    """``quantized_model(fast, gguf)``, built once per loaded model (several cores may
+    share one), or ``fast`` itself when the file does not fit (logged, not fatal)."""
+    cached = getattr(model, "_wsinfer_quantized", None)
+    if cached is not None and cached.cos is fast.cos:
+        return cached  # type: ignore[no-any-return]
+    try:
+        with torch.inference_mode():
+            quant = quantized_model(fast, gguf)
+    except QuantError as exc:
+        log.warning("quantized CPU weights unavailable; float32", reason=str(exc))
+        return fast
+    model._wsinfer_quantized = quant
+    return quant

@@ -1,0 +1,165 @@
+"""The GGUF's Q4_1 weights kept quantized (engine/quant.py): decoding, matmuls, the core."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.conftest import run_all, tokens_of
+from tests.engine.test_core import request
+from wsinfer.engine.core import EngineConfig, EngineCore
+from wsinfer.engine.llama import fast_model_for
+from wsinfer.engine.model import LoadedModel
+from wsinfer.engine.prompts import render_chat
+from wsinfer.engine.quant import (
+    Bf16Linear,
+    GgufTensors,
+    Int4Linear,
+    QuantError,
+    dequantize_q4_1,
+    int4_linear,
+    q4_1_parts,
+    quantized_model,
+    unpermute_rows,
+)
+from wsinfer.sessions.schema import GenerationParams
+
+
+def q4_1_rows(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Raw Q4_1 bytes for ``codes`` [rows, cols] (0..15) with per-block ``d`` and ``m``."""
+    rows, cols = codes.shape
+    blocks = codes.reshape(rows, cols // 32, 32).astype(np.uint8)
+    nibbles = blocks[..., :16] | (blocks[..., 16:] << 4)
+    head = np.stack([d.astype(np.float16), m.astype(np.float16)], axis=-1).view(np.uint8)
+    return np.concatenate([head.reshape(rows, cols // 32, 4), nibbles], axis=-1).reshape(rows, -1)
+
+
+@pytest.fixture
+def blocks() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, size=(48, 96))
+    d = rng.uniform(0.001, 0.02, size=(48, 3)).astype(np.float16)
+    m = rng.uniform(-0.2, 0.0, size=(48, 3)).astype(np.float16)
+    return codes, d, m
+
+
+def test_q4_1_blocks_decode_as_d_times_q_plus_m(blocks: tuple[np.ndarray, ...]) -> None:
+    codes, d, m = blocks
+    raw = q4_1_rows(codes, d, m)
+    assert raw.shape == (48, 3 * 20)
+    expected = codes.reshape(48, 3, 32) * d[..., None].astype(np.float32) + m[..., None]
+    got = dequantize_q4_1(raw, 96)
+    assert torch.equal(got, torch.from_numpy(expected.reshape(48, 96).astype(np.float32)))
+    parsed, _, _ = q4_1_parts(raw, 96)
+    assert torch.equal(parsed, torch.from_numpy(codes.astype(np.int32)))
+
+
+def test_q4_1_rows_must_be_whole_blocks(blocks: tuple[np.ndarray, ...]) -> None:
+    with pytest.raises(QuantError, match="whole blocks"):
+        q4_1_parts(q4_1_rows(*blocks), 90)
+
+
+def test_int4_linear_is_the_dequantized_matmul(blocks: tuple[np.ndarray, ...]) -> None:
+    raw = q4_1_rows(*blocks)
+    linear = int4_linear([q4_1_parts(raw, 96)])
+    x = torch.randn(5, 96)
+    expected = x @ dequantize_q4_1(raw, 96).t()
+    got = linear(x)
+    assert got.dtype == torch.float32
+    # bfloat16 activations and scales: about 3 significant digits.
+    torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
+
+
+def test_quantized_rows_do_not_depend_on_the_batch(blocks: tuple[np.ndarray, ...]) -> None:
+    """Bit for bit: a row's logits (so its seeded draws) are the same at any batch size."""
+    linear = int4_linear([q4_1_parts(q4_1_rows(*blocks), 96)])
+    dense = Bf16Linear(torch.randn(300, 96))
+    x = torch.randn(33, 96)
+    for layer in (linear, dense):
+        full = layer(x)
+        for rows in (1, 2, 8, 17):
+            assert torch.equal(layer(x[:rows]), full[:rows])
+
+
+def test_unpermute_rows_is_transformers_reverse_permute() -> None:
+    rows = np.arange(12 * 2).reshape(12, 2)
+    # 2 heads of 6 rows: llama.cpp interleaves each head's two rotary halves.
+    got = unpermute_rows(rows, 2)
+    assert got[:6, 0].tolist() == [0, 4, 8, 2, 6, 10]
+
+
+def test_int4_linear_rejects_codes_out_of_groups() -> None:
+    with pytest.raises(RuntimeError):
+        Int4Linear(torch.zeros(8, 40, dtype=torch.int32), torch.ones(8, 1), torch.zeros(8, 1))
+
+
+# --- the real model ----------------------------------------------------------------------
+
+
+def test_the_gguf_blocks_are_the_converted_models_weights(smol: LoadedModel) -> None:
+    """q/k rows re-ordered as transformers does: the same float32 values, exactly."""
+    assert smol.gguf is not None
+    tensors = GgufTensors(smol.gguf)
+    attn, mlp = smol.model.model.layers[7].self_attn, smol.model.model.layers[7].mlp
+    cases = [
+        ("attn_q", attn.q_proj, 9),
+        ("attn_k", attn.k_proj, 3),
+        ("ffn_down", mlp.down_proj, None),
+    ]
+    for name, module, heads in cases:
+        codes, d, m = tensors.q4_1(f"blk.7.{name}.weight", heads)
+        got = (codes.view(codes.shape[0], -1, 32) * d[..., None] + m[..., None]).flatten(1)
+        assert torch.equal(got, module.weight.detach()), name
+
+
+def test_a_gguf_that_does_not_fit_the_model_is_refused(
+    tiny: LoadedModel, smol: LoadedModel
+) -> None:
+    assert smol.gguf is not None
+    fast = fast_model_for(tiny.model, 64, True)
+    with pytest.raises(QuantError, match="do not match"):
+        quantized_model(fast, smol.gguf)
+
+
+def test_a_core_falls_back_to_float32_when_the_gguf_does_not_fit(
+    tiny: LoadedModel, smol: LoadedModel
+) -> None:
+    mismatched = dataclasses.replace(tiny, gguf=smol.gguf)
+    core = EngineCore(mismatched, EngineConfig(quantized_cpu_weights=True))
+    assert core.model is fast_model_for(tiny.model, core.max_context, True)
+    core.add(request("a", [1, 2, 3], GenerationParams(max_new_tokens=3)))
+    assert len(tokens_of(run_all(core)["a"])) == 3
+
+
+SEEDED = GenerationParams(max_new_tokens=40, temperature=0.8, seed=1234)
+
+
+def test_quantized_weights_are_used_only_when_asked(smol: LoadedModel) -> None:
+    assert not isinstance(EngineCore(smol).model.layers[0].qkv, Int4Linear)
+    quant = EngineCore(smol, EngineConfig(quantized_cpu_weights=True))
+    assert all(isinstance(layer.qkv, Int4Linear) for layer in quant.model.layers)
+    assert isinstance(quant.model.lm_head, Bf16Linear)
+
+
+def test_quantized_core_draws_the_same_tokens_alone_batched_and_taken_over(
+    smol: LoadedModel,
+) -> None:
+    """One weight format, one seed: the same tokens whatever the batch, and a takeover from
+    the token log part-way continues with the same tokens."""
+    no_eos = dataclasses.replace(smol, eos_token_ids=set())
+    questions = ["What is the capital of France?", "Write a poem about the sea."]
+    ids = [render_chat(smol.tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    config = EngineConfig(max_batch_size=4, quantized_cpu_weights=True)
+    alone = EngineCore(no_eos, config)
+    alone.add(request("a", ids[0], SEEDED))
+    expected = tokens_of(run_all(alone)["a"])
+    batched = EngineCore(no_eos, config)
+    for i, row in enumerate(ids):
+        batched.add(request(f"r{i}", row, SEEDED))
+    assert tokens_of(run_all(batched)["r0"]) == expected
+    rebuilt = EngineCore(no_eos, config)
+    rebuilt.add(request("t", ids[0], SEEDED, generated_ids=expected[:17]))
+    assert tokens_of(run_all(rebuilt)["t"]) == expected[17:]
