@@ -82,7 +82,17 @@ def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """log(-log(u)) [B, V] with u uniform in (0, 1) from ``hash(row key, token id)``:
     the race subtracts it from the scaled logits (log of the exponential noise)."""
     tokens = torch.arange(1, vocab + 1, device=keys.device) * _signed(_GOLDEN)
-    z = keys.unsqueeze(1) + tokens.unsqueeze(0)
+    return noise_of(keys.unsqueeze(1) + tokens.unsqueeze(0))
+
+
+def token_noise(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``race_noise(keys, V)[i, tokens[i]]`` for each i, without the rest of the rows."""
+    return noise_of(keys + (tokens + 1) * _signed(_GOLDEN))
+
+
+def noise_of(z: torch.Tensor) -> torch.Tensor:
+    """The noise of hash inputs ``z`` (row key + token offset); the same ops for a whole
+    vocabulary or a few candidates, so both give the same floats."""
     z = (z ^ _shr(z, 30)).mul_(_signed(_MIX1))
     z = (z ^ _shr(z, 27)).mul_(_signed(_MIX2))
     # The top 23 bits (the output mix's last xor-shift leaves them alone), centred in
@@ -181,6 +191,10 @@ def sample_tokens(
     """
     if logits.is_cuda and triton_available():
         return sample_tokens_triton(logits, params, variant, seen)
+    if logits.device.type == "cpu":
+        from wsinfer.engine.sampling_cpu import sample_tokens_cpu
+
+        return sample_tokens_cpu(logits, params, variant, seen)
     return sample_tokens_torch(logits, params, variant, seen)
 
 

@@ -1,0 +1,89 @@
+"""The CPU race over the tokens that can win (engine/sampling_cpu.py) draws exactly the
+tokens of the full race (``sampling.sample_tokens_torch``)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.engine.sampling_cases import SIZES, all_cases, random_params
+from wsinfer.engine.sampling import (
+    SamplingTensors,
+    Variant,
+    race_noise,
+    row_keys,
+    sample_tokens,
+    sample_tokens_torch,
+)
+from wsinfer.engine.sampling_cpu import noise_low, sample_tokens_cpu
+
+
+def assert_same_draws(
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    variant: Variant,
+    seen: torch.Tensor | None = None,
+) -> None:
+    want = sample_tokens_torch(logits, params, variant, seen)
+    assert torch.equal(sample_tokens_cpu(logits, params, variant, seen), want)
+
+
+def test_every_sampling_case_draws_the_full_races_tokens() -> None:
+    for case in all_cases(SIZES):
+        assert_same_draws(case.logits, case.params, case.variant, case.seen)
+
+
+def llm_like_logits(batch: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """A few likely tokens over a long, heavy tail, as a language model's logits are."""
+    tail = torch.randn(batch, vocab, generator=gen) * 2.5
+    head = torch.randint(0, vocab, (batch, 8), generator=gen)
+    boost = 10 + 6 * torch.rand(batch, 8, generator=gen)
+    return tail.scatter_add(1, head, boost)
+
+
+def test_thousands_of_seeded_draws_match_at_every_temperature() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for step in range(40):
+        logits = llm_like_logits(32, 49152, gen)
+        params = random_params(32, gen, filtered=step % 4 == 3)
+        params.temperature[:] = torch.tensor([0.1, 0.5, 0.8, 1.0, 1.5, 2.0, 4.0, 0.0] * 4)
+        seen = torch.rand(32, 49152, generator=gen) < 0.01
+        variant = Variant.FILTERED if step % 4 == 3 else Variant.SAMPLE
+        assert_same_draws(logits, params, variant, seen if step % 2 else None)
+
+
+def far_outsider_row(vocab: int = 5000) -> tuple[torch.Tensor, SamplingTensors, int]:
+    """A leader at 0, the rest at -40, and one token 16 below the leader whose hash is
+    the largest there is (seed 21982, index 0, token 885: the least noise a draw can
+    get). It wins the race: only a line at the noise's true bound keeps it in."""
+    logits = torch.full((1, vocab), -40.0)
+    logits[0, 7] = 0.0
+    logits[0, 885] = -16.0
+    one = torch.ones(1)
+    params = SamplingTensors(one, torch.zeros(1, dtype=torch.long), one, one,
+                             torch.tensor([21982]), torch.tensor([0]))  # fmt: skip
+    return logits, params, 885
+
+
+def test_a_token_far_below_the_leader_still_wins_when_its_noise_says_so() -> None:
+    logits, params, outsider = far_outsider_row()
+    noise = race_noise(row_keys(params.seed, params.index), logits.shape[1])
+    assert float(noise[0, outsider]) < noise_low() + 0.02  # the least noise there is
+    assert sample_tokens_torch(logits, params, Variant.SAMPLE).item() == outsider
+    assert sample_tokens_cpu(logits, params, Variant.SAMPLE).item() == outsider
+
+
+def test_cpu_logits_take_the_candidate_race() -> None:
+    logits, params, outsider = far_outsider_row()
+    logits[0, outsider] = -40.0  # now hopeless: the leader wins
+    assert sample_tokens(logits, params, Variant.SAMPLE).item() == 7
+    assert_same_draws(logits, params, Variant.SAMPLE)
+
+
+def test_rows_without_a_finite_maximum_fall_back_to_the_full_race() -> None:
+    logits = torch.randn(3, 1000)
+    logits[1] = float("-inf")
+    logits[2, 5] = float("inf")
+    params = random_params(3, torch.Generator().manual_seed(1), filtered=False)
+    params.temperature[:] = 1.0
+    assert_same_draws(logits, params, Variant.SAMPLE)
+    assert sample_tokens_cpu(logits, params, Variant.SAMPLE)[2].item() == 5
