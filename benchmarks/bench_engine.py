@@ -157,25 +157,32 @@ def throughput_table(
     with_cb: bool,
     repeats: int = 1,
     previous: LoadedModel | None = None,
+    config: EngineConfig | None = None,
+    previous_config: EngineConfig | None = None,
 ) -> list[str]:
     """EngineCore on ``loaded`` vs transformers on ``baseline`` (a separate copy of the model).
 
-    ``previous``: a third copy for ``EagerEngineCore`` (the eager transformers forward
-    over a right-aligned KV batch, which every model used before the paged fast path
-    and non-Llama models still use), measured in the same run. The ratios are
-    EngineCore's.
+    ``previous``: a third copy for the previous core, measured in the same run: an
+    ``EagerEngineCore`` (the eager transformers forward over a right-aligned KV batch,
+    which every model used before the paged fast path and non-Llama models still use),
+    or, with ``previous_config``, an ``EngineCore`` under that config (say, float32
+    weights against ``config``'s quantized ones). The ratios are EngineCore's.
     """
     # No early EOS: every request makes exactly new_tokens tokens on every side.
     params = GenerationParams(max_new_tokens=new_tokens, temperature=0.7)
-    config = EngineConfig(max(batches))
+    config = config or EngineConfig(max(batches))
     engines: list[Any] = [EngineCore(dataclasses.replace(loaded, eos_token_ids=set()), config)]
     if previous is not None:
-        engines.append(EagerEngineCore(dataclasses.replace(previous, eos_token_ids=set()), config))
+        other = dataclasses.replace(previous, eos_token_ids=set())
+        if previous_config is None:
+            engines.append(EagerEngineCore(other, config))
+        else:
+            engines.append(EngineCore(other, previous_config))
     cb = TransformersCB(baseline, new_tokens, max(batches)) if with_cb else None
     for i, core in enumerate(engines):
         warm(core, baseline, cb if i == 0 else None)
     rows = [
-        "| streams | EngineCore tok/s | previous (eager) core | EngineCore / previous "
+        "| streams | EngineCore tok/s | previous core | EngineCore / previous "
         "| generate (static) | engine / generate | transformers CB | engine / CB "
         "| engine N / engine 1 |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -467,9 +474,12 @@ def gpu_table(
         context = max(len(p) for p in prompts) + new_tokens // 2
         row.roofline = roofline(loaded, row.streams, context, bandwidth)
         total = row.streams * new_tokens
-        engine = partial(best_rate, total, partial(run_engine, core, prompts, params), 1)
         idle, steps = core.gpu_idle_seconds, core.steps
-        row.engine = row.attempt("EngineCore", engine)
+        # No name may outlive the loop holding the core (a partial over it would keep its
+        # KV pool, most of the GPU, alive through the baselines below).
+        row.engine = row.attempt(
+            "EngineCore", partial(best_rate, total, partial(run_engine, core, prompts, params), 1)
+        )
         if core.device.type == "cuda" and core.steps > steps:
             row.idle_ms = 1000 * (core.gpu_idle_seconds - idle) / (core.steps - steps)
         row.syncs = row.attempt("host syncs", partial(syncs_per_step, core, prompts))
@@ -538,7 +548,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--history-tokens", type=int, default=1500)
     parser.add_argument("--no-cb", action="store_true", help="skip transformers' own CB")
     parser.add_argument(
-        "--no-previous", action="store_true", help="skip the previous (eager) engine core"
+        "--previous",
+        choices=["eager", "float32", "none"],
+        default="eager",
+        help="section a's previous core: the eager core, EngineCore with float32 CPU weights "
+        "(against --quantized), or none",
+    )
+    parser.add_argument("--no-previous", action="store_true", help="--previous none")
+    parser.add_argument(
+        "--quantized", action="store_true", help="EngineCore multiplies the GGUF's Q4_1 blocks"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the best counts")
@@ -551,8 +569,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    weights = "quantized (GGUF Q4_1)" if args.quantized else args.dtype
     print(
-        f"# bench_engine: {loaded.name} on {args.device} ({args.dtype}), "
+        f"# bench_engine: {loaded.name} on {args.device} ({weights}), "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads\n"
     )
     if args.only in (None, "a"):
@@ -560,10 +579,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"## (a) throughput, sampling, {args.new_tokens} new tokens per stream\n")
         baseline = load_model(args.model, device=args.device, dtype=args.dtype)
         copy = partial(load_model, args.model, device=args.device, dtype=args.dtype)
-        previous = None if args.no_previous else copy()
+        kind = "none" if args.no_previous else args.previous
+        previous = None if kind == "none" else copy()
+        config = EngineConfig(max(batches), quantized_cpu_weights=args.quantized)
+        previous_config = EngineConfig(max(batches)) if kind == "float32" else None
         table = throughput_table(
-            loaded, baseline, batches, args.new_tokens, not args.no_cb, args.repeats, previous
-        )
+            loaded, baseline, batches, args.new_tokens, not args.no_cb, args.repeats,
+            previous, config, previous_config,
+        )  # fmt: skip
         print("\n".join(table) + "\n")
         del baseline, previous
     if args.only in (None, "b"):

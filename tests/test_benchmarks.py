@@ -269,3 +269,48 @@ def test_bench_capacity_has_a_row_per_frontend_count(
         assert float(row[2].replace(",", "")) > 0 and float(row[10].replace(",", "")) > 0
     memory = data_rows([line for line in out if line.startswith("| Redis | queued")] + out[-2:])
     assert [row[0] for row in memory] == ["one server", "3-primary cluster"]
+
+
+def test_gpu_section_frees_the_engine_before_the_baselines(
+    bench_engine: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's KV pool (most of a GPU) must be gone when the baselines start."""
+    import gc
+    import weakref
+
+    cores: list[weakref.ref[object]] = []
+    real_core = bench_engine.EngineCore
+
+    def tracked(*args: object, **kwargs: object) -> object:
+        core = real_core(*args, **kwargs)
+        cores.append(weakref.ref(core))
+        return core
+
+    alive: list[int] = []
+
+    def baselines(*args: object, **kwargs: object) -> None:
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in cores))
+
+    monkeypatch.setattr(bench_engine, "EngineCore", tracked)
+    monkeypatch.setattr(bench_engine, "baselines", baselines)
+    bench_engine.gpu_table(tiny(), new_tokens=2, device="cpu", smoke=True, batches=(1, 2))
+    assert len(cores) == 1 and alive == [0]
+
+
+def test_throughput_table_can_compare_two_engine_configs(bench_engine: ModuleType) -> None:
+    """--previous float32: the previous column is an EngineCore under another config."""
+    from wsinfer.engine.core import EngineConfig
+
+    made: list[str] = []
+    real = bench_engine.EagerEngineCore
+    bench_engine.EagerEngineCore = lambda *a, **k: made.append("eager") or real(*a, **k)
+    try:
+        table = bench_engine.throughput_table(
+            tiny(), tiny(), [2], new_tokens=3, with_cb=False, previous=tiny(),
+            config=EngineConfig(2), previous_config=EngineConfig(2, pack_cpu_weights=False),
+        )  # fmt: skip
+    finally:
+        bench_engine.EagerEngineCore = real
+    (row,) = data_rows(table)
+    assert made == [] and float(row[2]) > 0 and row[3].endswith("x")
