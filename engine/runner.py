@@ -225,16 +225,19 @@ class ModelRunner:
         ints[_SLOT, :n] = rows.slots(n) * active
         ints[_SRC, :n] = rows.src[:n]
         ints[_INDEX, :n] = rows.draw_index(n)
-        self.step_ints[:, :bucket].copy_(staging.step_ints_t[:, :bucket], non_blocking=True)
+        # Whole buffers (a few KB): a column slice of a pinned [k, max_rows] tensor is not
+        # contiguous, and such a copy goes through an unpinned temporary and may sync.
+        # Columns past the step's rows are never read.
+        self.step_ints.copy_(staging.step_ints_t, non_blocking=True)
         if rows.tables_dirty:
             staging.tables[:n] = rows.block_table[:n]
-            self.block_tables[:n].copy_(staging.tables_t[:n], non_blocking=True)
+            self.block_tables[:n].copy_(staging.tables_t[:n], non_blocking=True)  # rows: contiguous
             rows.tables_dirty = False
         if rows.params_dirty:
             staging.floats[:, :n] = rows.floats[:, :n]
             staging.ints[:, :n] = rows.ints[:, :n]
-            self.floats[:, :n].copy_(staging.floats_t[:, :n], non_blocking=True)
-            self.ints[:, :n].copy_(staging.ints_t[:, :n], non_blocking=True)
+            self.floats.copy_(staging.floats_t, non_blocking=True)
+            self.ints.copy_(staging.ints_t, non_blocking=True)
             rows.params_dirty = False
 
     def _decode(self, b: int, variant: Variant, max_len: int | None = None) -> None:

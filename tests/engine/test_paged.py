@@ -228,3 +228,30 @@ def test_real_model_matches_transformers_greedy_for_hundreds_of_tokens(smol: Loa
         got = outputs[f"r{i}"]
         assert tokens_of(got) == expected[i], f"row {i}"
         assert text_of(got) == smol.tokenizer.decode(expected[i], skip_special_tokens=True)
+
+
+def test_step_inputs_are_copied_from_contiguous_host_buffers(tiny: LoadedModel) -> None:
+    """Below the largest bucket a column slice of a pinned [k, rows] staging buffer is
+    not contiguous: on CUDA that copy goes through an unpinned temporary and may sync."""
+    from torch.overrides import TorchFunctionMode
+
+    sources: list[torch.Tensor] = []
+
+    class Copies(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.Tensor.copy_:
+                sources.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    core = EngineCore(tiny, EngineConfig(max_batch_size=8, cuda_graphs=True))
+    stage = core.runner._stage
+
+    def recorded(*args: Any) -> None:
+        with Copies():
+            stage(*args)
+
+    core.runner._stage = recorded  # type: ignore[method-assign]
+    for i in range(3):
+        core.add(request(f"r{i}", prompt(tiny.tokenizer, PROMPTS[i]), SAMPLED))
+    run_all(core)
+    assert sources and all(src.is_contiguous() for src in sources)
