@@ -242,6 +242,13 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
         help="run decode eagerly on a GPU (debugging; much slower)",
     )
     parser.add_argument(
+        "--quantized-cpu-weights",
+        action="store_true",
+        default=_env_flag("QUANTIZED_CPU_WEIGHTS"),
+        help="CPU, a .gguf model: multiply its Q4_1 blocks as they are (1.3-1.8x the "
+        "tokens/s measured; tokens can differ from the float32 path where candidates nearly tie)",
+    )
+    parser.add_argument(
         "--prefill-chunk",
         type=_positive_int,
         default=_env("PREFILL_CHUNK", "512"),
@@ -418,6 +425,7 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     ]
     argv += ["--kv-offload-cpu"] if args.kv_offload_cpu else []
     argv += ["--no-cuda-graphs"] if args.no_cuda_graphs else []
+    argv += ["--quantized-cpu-weights"] if args.quantized_cpu_weights else []
     for flag in ("max_batch_size", "kv_pool_mb", "max_model_len"):
         value = getattr(args, flag)
         argv += [f"--{flag.replace('_', '-')}", str(value)] if value is not None else []
@@ -493,6 +501,7 @@ def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         kv_pool_bytes=args.kv_pool_mb << 20 if args.kv_pool_mb else None,
         max_model_len=args.max_model_len,
         cuda_graphs=False if args.no_cuda_graphs else None,
+        quantized_cpu_weights=args.quantized_cpu_weights,
     )
     return config, core
 

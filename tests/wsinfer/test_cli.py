@@ -200,3 +200,14 @@ def test_a_busy_port_is_reported_before_anything_heavy_is_imported(tmp_path: Pat
     assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0]
     assert "address already in use" in errors[0]
     assert "torch" not in imported and "transformers" not in imported
+
+
+def test_quantized_cpu_weights_are_opt_in_and_reach_serves_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert engine_configs(engine_args())[1].quantized_cpu_weights is False
+    assert engine_configs(engine_args("--quantized-cpu-weights"))[1].quantized_cpu_weights
+    serve = build_parser().parse_args(["serve", "--quantized-cpu-weights"])
+    assert engine_configs(engine_args(*_engine_argv(serve)))[1].quantized_cpu_weights
+    monkeypatch.setenv("WSINFER_QUANTIZED_CPU_WEIGHTS", "1")
+    assert engine_configs(engine_args())[1].quantized_cpu_weights
