@@ -348,3 +348,33 @@ def test_the_import_check_passes_here_and_names_what_is_missing(
     (failure,) = check_imports.check()
     assert failure.startswith("no_such_dist: ModuleNotFoundError")
     assert check_imports.main([]) == 1
+
+
+def test_bench_llamacpp_drives_wsinfer_serve_with_the_openai_client(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The wsinfer side of the llama.cpp comparison (llama.cpp's build is a benchmark
+    step of ~25 minutes, not part of the tests)."""
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        load_script("bench_llamacpp").main(
+            ["--no-llamacpp", "--model", str(tiny_model_dir()), "--streams", "1,2",
+             "--tokens", "6", "--rounds", "1", "--threads", "1"]
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    rows = data_rows(capsys.readouterr().out.splitlines())
+    assert [row[0] for row in rows] == ["1", "2"]
+    for row in rows:
+        assert row[1] == "n/a" and float(row[3]) > 0 and row[4].endswith("ms")
+        assert row[5] == "n/a" and 0 < int(row[6].split(" / ")[1]) <= 6 * int(row[0])
+
+
+def test_bench_llamacpp_table_compares_the_best_rounds() -> None:
+    bench = load_script("bench_llamacpp")
+    results = {
+        ("llama-server", 8): bench.Result([80.0, 90.0], [0.05, 0.07], [1024]),
+        ("wsinfer", 8): bench.Result([120.0, 135.0], [0.2, 0.3], [1000]),
+    }
+    (row,) = data_rows(bench.table(results, [8]))
+    assert row == ["8", "90.0", "60 ms", "135.0", "250 ms", "1.50x", "1024 / 1000"]
