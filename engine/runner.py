@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from wsinfer.sessions.schema import GenerationParams
+
 from .attention import decode_attention
 from .batch import DecodeRows
 from .kvpool import KVPool
@@ -35,6 +37,7 @@ from .sampling import (
     sample_tokens,
     tensors_for,
     to_device,
+    triton_available,
     upload,
     variant_of,
 )
@@ -310,7 +313,28 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             self._capture_all(pool, progress)
+            self.warm_sampling()
         return time.monotonic() - started
+
+    def warm_sampling(self) -> int:
+        """Run every form of the sampling race that a live prefill can use (any number of
+        finishing rows, with or without penalty state, each variant), so that Triton
+        compiles them at start-up rather than in a user's first request (the graphs only
+        build the decode forms). Returns the number of races run; 0 off CUDA/Triton."""
+        if self.device.type != "cuda" or not triton_available():
+            return 0
+        from .sampling_triton import sm_count, warm_up_batches
+
+        vocab, runs = self.model.vocab_size, 0
+        for rows in warm_up_batches(self.max_rows, vocab, sm_count(self.device)):
+            logits = torch.zeros(rows, vocab, dtype=self.model.dtype, device=self.device)
+            params = tensors_for([RowSampling(GenerationParams(), 0, 0)] * rows, self.device)
+            seen = torch.zeros(rows, vocab, dtype=torch.bool, device=self.device)
+            for variant in Variant:
+                for penalty in (None, seen):
+                    sample_tokens(logits, params, variant, penalty)
+                    runs += 1
+        return runs
 
     def _capture_all(self, pool: Any, progress: Callable[[str], None] | None) -> None:
         self.step_ints.zero_()  # every row: length 0, scratch slot

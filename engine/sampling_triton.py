@@ -188,3 +188,19 @@ def race_triton(
         vals, toks, out, splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=1
     )
     return out
+
+
+def warm_up_batches(max_rows: int, vocab: int, sms: int) -> list[int]:
+    """One batch size per distinct compiled form of the race up to ``max_rows`` rows.
+
+    Triton compiles a kernel per set of constexprs and per specialization of its integer
+    arguments (divisible by 16, equal to 1); the batch is only the grid, so the forms
+    differ by (slices, slice length) alone. Running the race once at each of these
+    sizes builds every kernel a live step of any size can need."""
+    sizes, forms = [], set()
+    for rows in range(1, max_rows + 1):
+        form = choose_splits(rows, vocab, sms)
+        if form not in forms:
+            forms.add(form)
+            sizes.append(rows)
+    return sizes

@@ -178,3 +178,25 @@ def test_the_largest_hash_is_not_a_certain_win() -> None:
     x = torch.zeros(1, VOCAB)
     x[0, 885] = -30.0
     assert sample(x, [row(21982, 0, temperature=1.0)]).item() != 885
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_the_warm_up_builds_every_form_of_the_race_a_prefill_can_use() -> None:
+    """Every batch of 1..256 finishing prefill rows runs a race form (slices, slice
+    length) that the start-up warm-up has run, in far fewer than 256 runs."""
+    from wsinfer.engine.sampling_triton import choose_splits, warm_up_batches
+
+    for vocab, sms in ((49152, 132), (128256, 132), (49152, 16)):
+        sizes = warm_up_batches(256, vocab, sms)
+        warmed = {choose_splits(rows, vocab, sms) for rows in sizes}
+        assert {choose_splits(rows, vocab, sms) for rows in range(1, 257)} == warmed
+        assert sizes[0] == 1 and len(sizes) < 64
+
+
+def test_the_sampling_warm_up_is_a_no_op_off_cuda() -> None:
+    from tests.models import tiny_model_dir
+    from wsinfer.engine.core import EngineCore
+    from wsinfer.engine.model import load_model
+
+    core = EngineCore(load_model(str(tiny_model_dir())))
+    assert core.runner.warm_sampling() == 0
