@@ -19,8 +19,12 @@ are nearly tied; every engine running the same weight format draws the same
 tokens (prefill, decode and a takeover all use these layers).
 
 The tied output layer (the Q8_0 token embedding: 32 weights per fp16 scale) has
-no int8 kernel with per-group scales; it runs as a bfloat16 matrix (half the
-float32 bytes). Other tensor types keep the float32 path.
+no int8 kernel with per-group scales, and stays float32: as a bfloat16 matrix
+(half the bytes) it ran 1.7x slower at one row (oneDNN has no fast bf16 GEMV
+here), and torch's per-channel int8 kernel only 1.2x faster (benchmarks/RESULTS.md,
+"CPU weight formats").
+
+Other tensor types keep the float32 path.
 """
 
 from __future__ import annotations
@@ -64,19 +68,6 @@ class Int4Linear:
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
-
-
-class Bf16Linear:
-    """``x @ W^T`` with W stored [in, out] in bfloat16 (the CPU's fast small-M layout)."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight_t = weight.t().to(torch.bfloat16).contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.to(torch.bfloat16) @ self.weight_t).to(x.dtype)
-
-    def nbytes(self) -> int:
-        return self.weight_t.nbytes
 
 
 # --- Q4_1 blocks -------------------------------------------------------------------
@@ -157,7 +148,7 @@ def quantized_model(fast: FastLlama, gguf: Path) -> FastLlama:
     """A copy of ``fast`` whose linear layers multiply the GGUF's own Q4_1 blocks.
 
     Only plain Llama layers (no q/k/v bias) whose seven matrices are all Q4_1 are
-    replaced; the output layer becomes bfloat16. Raises ``QuantError`` if the file
+    replaced; the output layer stays float32. Raises ``QuantError`` if the file
     does not match the model (a different file, or another architecture)."""
     if fast.config.model_type != "llama":
         raise QuantError(f"quantized CPU weights cover llama models, not {fast.config.model_type}")
@@ -168,7 +159,6 @@ def quantized_model(fast: FastLlama, gguf: Path) -> FastLlama:
         if layer.qkv.bias is not None or not tensors.all_q4_1(_layer_names(i)):
             continue
         _quantize_layer(layer, i, tensors, fast)
-    quant.lm_head = Bf16Linear(_dense_weight(fast.lm_head))  # type: ignore[assignment]
     return quant
 
 
@@ -191,11 +181,6 @@ def _quantize_layer(layer: Any, i: int, tensors: GgufTensors, fast: FastLlama) -
 def _in_features(linear: Any) -> int:
     weight = linear.weight
     return int(weight.shape[0] if linear.transposed else weight.shape[1])
-
-
-def _dense_weight(linear: Any) -> torch.Tensor:
-    """[out, in] of an ``llama.Linear``."""
-    return linear.weight.t() if linear.transposed else linear.weight
 
 
 def cpu_quantized_model(model: Any, fast: FastLlama, gguf: Path) -> FastLlama:

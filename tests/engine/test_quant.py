@@ -15,7 +15,6 @@ from wsinfer.engine.llama import fast_model_for
 from wsinfer.engine.model import LoadedModel
 from wsinfer.engine.prompts import render_chat
 from wsinfer.engine.quant import (
-    Bf16Linear,
     GgufTensors,
     Int4Linear,
     QuantError,
@@ -76,12 +75,10 @@ def test_int4_linear_is_the_dequantized_matmul(blocks: tuple[np.ndarray, ...]) -
 def test_quantized_rows_do_not_depend_on_the_batch(blocks: tuple[np.ndarray, ...]) -> None:
     """Bit for bit: a row's logits (so its seeded draws) are the same at any batch size."""
     linear = int4_linear([q4_1_parts(q4_1_rows(*blocks), 96)])
-    dense = Bf16Linear(torch.randn(300, 96))
     x = torch.randn(33, 96)
-    for layer in (linear, dense):
-        full = layer(x)
-        for rows in (1, 2, 8, 17):
-            assert torch.equal(layer(x[:rows]), full[:rows])
+    full = linear(x)
+    for rows in (1, 2, 8, 17):
+        assert torch.equal(linear(x[:rows]), full[:rows])
 
 
 def test_unpermute_rows_is_transformers_reverse_permute() -> None:
@@ -141,7 +138,7 @@ def test_quantized_weights_are_used_only_when_asked(smol: LoadedModel) -> None:
     assert not isinstance(EngineCore(smol).model.layers[0].qkv, Int4Linear)
     quant = EngineCore(smol, EngineConfig(quantized_cpu_weights=True))
     assert all(isinstance(layer.qkv, Int4Linear) for layer in quant.model.layers)
-    assert isinstance(quant.model.lm_head, Bf16Linear)
+    assert quant.model.lm_head is EngineCore(smol).model.lm_head  # float32, shared
 
 
 def test_quantized_core_draws_the_same_tokens_alone_batched_and_taken_over(
