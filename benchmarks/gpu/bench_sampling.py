@@ -14,7 +14,10 @@ L2; small ones do), replayed and timed with CUDA events: the median per draw in
 whose Triton token equals the torch path's (both run on the GPU). A last table
 sweeps the Triton block size for SAMPLE.
 
-CPU: the torch path at batch {1, 8} x {49152, 128256}, fp32 logits, best of 10.
+CPU: at batch {1, 8, 32} x {49152, 128256}, fp32 logits shaped like a language
+model's (a few likely tokens over a long tail), the full race (``sample_tokens_torch``)
+against the candidate race the CPU runs (``sampling_cpu``), interleaved, median of 10;
+``same`` counts equal tokens.
 """
 
 from __future__ import annotations
@@ -128,23 +131,37 @@ def run_cuda() -> None:
             print(block_sweep(batch, vocab), flush=True)
 
 
+def llm_logits(batch: int, vocab: int) -> torch.Tensor:
+    """A long N(0, 2.5) tail and 8 tokens per row 10-16 above it."""
+    tail = torch.randn(batch, vocab) * 2.5
+    return tail.scatter_add(1, torch.randint(0, vocab, (batch, 8)), 10 + 6 * torch.rand(batch, 8))
+
+
 def run_cpu(threads: int) -> None:
+    from wsinfer.engine.sampling_cpu import sample_tokens_cpu
+
     torch.set_num_threads(threads)
-    print(f"# Sampling per draw on the CPU, torch path, fp32 logits, {threads} thread(s)\n")
-    print("| variant | B | V | best ms | median ms |\n|---|---|---|---|---|")
-    for batch in (1, 8):
+    print(f"# Sampling per draw on the CPU, fp32 logits, {threads} thread(s)\n")
+    print("| variant | B | V | full race ms | candidate race ms | speedup | same |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in (1, 8, 32):
         for vocab in VOCABS:
-            (logits, seen), *_ = inputs(batch, vocab, torch.float32, "cpu", 1)
-            for variant in Variant:
+            logits, seen = llm_logits(batch, vocab), torch.rand(batch, vocab) < 0.02
+            for variant in (Variant.SAMPLE, Variant.FILTERED):
                 params = make_params(batch, variant, "cpu")
-                use = None if variant is Variant.GREEDY else seen
-                times = []
+                fns = [sample_tokens_torch, sample_tokens_cpu]
+                times: list[list[float]] = [[], []]
                 for _ in range(10):
-                    start = time.perf_counter()
-                    sample_tokens_torch(logits, params, variant, use)
-                    times.append((time.perf_counter() - start) * 1000)
-                row = f"| {variant.name} | {batch} | {vocab} | {min(times):.2f} "
-                print(row + f"| {statistics.median(times):.2f} |", flush=True)
+                    for fn, spent in zip(fns, times, strict=True):
+                        start = time.perf_counter()
+                        fn(logits, params, variant, seen)
+                        spent.append((time.perf_counter() - start) * 1000)
+                full, fast = (statistics.median(t) for t in times)
+                same = fns[0](logits, params, variant, seen) == fns[1](
+                    logits, params, variant, seen
+                )
+                cells = f"{full:.2f} | {fast:.2f} | {full / fast:.1f}x | {int(same.sum())}/{batch}"
+                print(f"| {variant.name} | {batch} | {vocab} | {cells} |", flush=True)
 
 
 def main() -> int:
