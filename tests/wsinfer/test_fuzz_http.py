@@ -3,10 +3,11 @@ while a well-behaved SSE client streams beside them.
 
 Methods, paths, queries, header fields, bodies, framings (Content-Length right
 or wrong, chunked, both) and the points where the bytes are split are all
-generated, over real sockets, one connection per example. Every request must
-get a well-formed answer (h11 parses it) that is not a 5xx; a connection
-closed with no answer, or stuck, fails the test. The bystander's turns must come out exactly as with no
-fuzzing, and the frontend must log nothing at WARNING or above.
+generated, over real sockets, one connection per example. Every request
+must get a well-formed answer (h11 parses it) that is not a 5xx; a
+connection closed with no answer, or stuck, fails the test. The
+bystander's turns must come out exactly as with no fuzzing, and the
+frontend must log nothing at WARNING or above.
 
 Among the inputs: repeated and non-ASCII values of the headers the app reads
 (``Authorization``, ``Origin``, ``X-Wsinfer-*``, ``Last-Event-ID``, ``Host``),
