@@ -13,11 +13,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import h11
 import httpx
 import pytest
 
 from tests.stack import start_serve, stop_serve
-from wsinfer.http import connection
+from wsinfer.http import connection, door
 from wsinfer.server import Frontend, FrontendConfig
 
 IDLE_PAUSE_S = 1.5
@@ -221,6 +222,17 @@ async def test_a_websocket_handshake_with_a_body_is_answered(
     writer.write(b"GET /v1/ws HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\n" + framing)
     assert (await read_response(reader))[0] == 426
     writer.close()
+
+
+def test_the_door_hands_a_bodiless_handshake_straight_to_websockets() -> None:
+    def handshake(*extra: tuple[str, str]) -> h11.Request:
+        headers = [("Host", "localhost"), ("Upgrade", "websocket"), *extra]
+        return h11.Request(method="GET", target="/v1/ws", headers=headers)
+
+    assert door._is_websocket(handshake())
+    assert door._is_websocket(handshake(("Content-Length", "0")))
+    assert not door._is_websocket(handshake(("Content-Length", "5")))
+    assert not door._is_websocket(handshake(("Transfer-Encoding", "chunked")))
 
 
 async def test_head_gets_405_without_a_body_and_the_connection_goes_on(

@@ -94,7 +94,7 @@ class FrontDoor(ServerConnection):
 
 
 def _is_websocket(event: h11.Request) -> bool:
-    headers = {name: value.decode("latin-1") for name, value in event.headers}
+    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}
     method, upgrade = event.method.decode("latin-1"), headers.get("upgrade", "")
     chunked = "transfer-encoding" in headers
     return wants_websocket(method, upgrade, headers.get("content-length"), chunked)
