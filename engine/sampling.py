@@ -207,15 +207,22 @@ def sample_tokens_torch(
     """``sample_tokens`` in torch ops: the CPU's program and the Triton race's reference."""
     if variant is Variant.GREEDY:
         return logits.argmax(dim=-1)  # no penalty here; bf16 -> fp32 keeps the order
-    logits = logits.float()
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, params.penalty, seen)
-    greedy = logits.argmax(dim=-1)
-    scaled = logits / _divisor(params.temperature).unsqueeze(1)
+    greedy, scaled = race_inputs(logits, params, seen)
     score = scaled - race_noise(row_keys(params.seed, params.index), scaled.shape[-1])
     if variant is Variant.FILTERED:
         score.masked_fill_(scaled < filter_floor(scaled, params).unsqueeze(1), float("-inf"))
     return torch.where(params.temperature > 0, score.argmax(dim=-1), greedy)
+
+
+def race_inputs(
+    logits: torch.Tensor, params: SamplingTensors, seen: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What every race starts from: the penalized logits' argmax (a greedy row's
+    token) and the penalized logits over each row's temperature."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, params.penalty, seen)
+    return logits.argmax(dim=-1), logits / _divisor(params.temperature).unsqueeze(1)
 
 
 def sample_tokens_triton(

@@ -24,9 +24,8 @@ import torch
 from .sampling import (
     SamplingTensors,
     Variant,
-    _divisor,
-    apply_repetition_penalty,
     filter_floor,
+    race_inputs,
     row_keys,
     sample_tokens_torch,
     token_noise,
@@ -49,14 +48,10 @@ def sample_tokens_cpu(
     """``sample_tokens_torch``'s tokens, hashing only each row's possible winners."""
     if variant is Variant.GREEDY:
         return logits.argmax(dim=-1)
-    logits = logits.float()
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, params.penalty, seen)
-    greedy = logits.argmax(dim=-1)
-    scaled = logits / _divisor(params.temperature).unsqueeze(1)
+    greedy, scaled = race_inputs(logits, params, seen)
     top, leader = scaled.max(dim=-1)
-    if not bool(torch.isfinite(top).all()):
-        return sample_tokens_torch(logits, params, variant, None)  # penalty applied already
+    if not bool(torch.isfinite(top).all()):  # no bound to race within: the full race
+        return sample_tokens_torch(logits, params, variant, seen)
     keys = row_keys(params.seed, params.index)
     # The leader's own score is a floor for the winner's: a tighter line than max - hi.
     floor = top - token_noise(keys, leader)
