@@ -30,6 +30,7 @@ from wsinfer.fanin import Deliver, FanIn
 from wsinfer.sessions import keys
 from wsinfer.sessions.connect import async_node_client
 from wsinfer.sessions.schema import as_str, entry_payload
+from wsinfer.waiting import wait_set
 
 log = structlog.get_logger("wsinfer.fanin")
 
@@ -149,11 +150,9 @@ class ClusterFanIn(FanIn):
     async def _read_once(self) -> None:
         await self.cluster.initialize()  # a no-op unless first use or the slot map was reset
         await self._assign()
-        if not self._dirty and not self._all:
-            try:
-                await asyncio.wait_for(self._event.wait(), self.block_ms / 1000)
-            except TimeoutError:
-                self._all = True
+        idle = not self._dirty and not self._all
+        if idle and not await wait_set(self._event, self.block_ms / 1000):
+            self._all = True
         self._event.clear()
         dirty, everything = self._dirty, self._all
         self._dirty, self._all = set(), False

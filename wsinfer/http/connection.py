@@ -27,6 +27,7 @@ from websockets.exceptions import InvalidHeader
 
 from wsinfer.http.framing import Refusal, check_head
 from wsinfer.limits import TokenBucket
+from wsinfer.waiting import wait_set
 
 log = structlog.get_logger("wsinfer.http")
 
@@ -219,7 +220,8 @@ class HttpConnection(asyncio.Protocol):
                 return event
             if not self._feed():
                 self._readable.clear()
-                await asyncio.wait_for(self._readable.wait(), deadline - loop.time())
+                if not await wait_set(self._readable, deadline - loop.time()):
+                    raise TimeoutError
 
     def _feed(self) -> bool:
         """Give h11 what has been read (and resume reading); False if there was nothing."""
@@ -259,9 +261,7 @@ class HttpConnection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         if not self._inbox and not self.h11.trailing_data[0] and not self._eof.is_set():
             self._readable.clear()
-            try:
-                await asyncio.wait_for(self._readable.wait(), IDLE_TIMEOUT_S)
-            except TimeoutError:
+            if not await wait_set(self._readable, IDLE_TIMEOUT_S):
                 return None
         try:
             return await self._next_event(loop.time() + HEAD_TIMEOUT_S)
@@ -341,8 +341,7 @@ class HttpConnection(asyncio.Protocol):
             # A reset that came in since the answer was sent makes shutdown() fail.
             with contextlib.suppress(OSError):
                 self.transport.write_eof()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._eof.wait(), LINGER_S)
+        await wait_set(self._eof, LINGER_S)
 
     def _write(self, event: Any) -> None:
         data = self.h11.send(event)

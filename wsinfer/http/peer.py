@@ -21,6 +21,7 @@ from wsinfer.errors import BadRequest
 from wsinfer.handlers import Handlers
 from wsinfer.protocol import ConnectionProtocol
 from wsinfer.sessions.schema import TurnEvent
+from wsinfer.waiting import wait_set
 
 if TYPE_CHECKING:
     from wsinfer.server import Frontend
@@ -74,9 +75,7 @@ class HttpPeer:
             self._held = []
             if out:
                 return out
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout)
-            except asyncio.TimeoutError:
+            if not await wait_set(self._wakeup, timeout):
                 return []
             self._wakeup.clear()
 
