@@ -47,6 +47,13 @@ local function counters(meta)
   end
   return table.concat(out, ':')
 end
+-- A session is watched until seen_at: a client's touch moves it forward, never
+-- back, so a background turn's later horizon (WATCH_UNTIL) outlasts its followers.
+local function watched(meta, at)
+  if (tonumber(redis.call('HGET', meta, 'seen_at')) or 0) < tonumber(at) then
+    redis.call('HSET', meta, 'seen_at', at)
+  end
+end
 local function cancel(meta, stream, done_event, done_status)
   redis.call('XADD', stream, '*', 'm', done_event)
   redis.call('HSET', meta, 'status', done_status, 'control', '')
@@ -91,6 +98,9 @@ if tonumber(redis.call('HGET', meta, 'turn')) + 1 ~= tonumber(ARGV[3]) then retu
 redis.call('HSET', meta, 'turn', ARGV[3], 'status', ARGV[9], 'seq', 0, 'control', '',
            'engine', '', 'seen_at', ARGV[6], 'prompt_tokens', 0, 'cached_tokens', 0)
 if ARGV[10] ~= '' then redis.call('HSET', meta, 'idem:' .. ARGV[10], ARGV[3]) end
+-- When the turn started, for the OpenAI routes' ``created``: the same however
+-- often, and on whichever frontend, the turn is read.
+redis.call('HSET', meta, 'created:' .. ARGV[3], math.floor(tonumber(ARGV[6])))
 local ttl = ttl_of(meta, ARGV[7])
 redis.call('SET', KEYS[2], ARGV[5], 'EX', ttl)
 redis.call('EXPIRE', meta, ttl)
@@ -123,7 +133,8 @@ for i = 0, tonumber(ARGV[8]) - 1 do
   if allowed(status, from) then
     local writes = effect == 'done_cancelled' or effect == 'paused'
     if writes and counters(meta) ~= ARGV[5] then return {'moved'} end
-    redis.call('HSET', meta, 'status', to, 'seen_at', ARGV[4])
+    redis.call('HSET', meta, 'status', to)
+    watched(meta, ARGV[4])
     if string.sub(effect, 1, 8) == 'control:' then
       redis.call('HSET', meta, 'control', string.sub(effect, 9))
     elseif effect == 'done_cancelled' then
@@ -153,10 +164,28 @@ TOUCH = (
     _PRELUDE
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'seen_at', ARGV[1])
+watched(KEYS[1], ARGV[1])
 local ttl = ttl_of(KEYS[1], ARGV[2])
 for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
 return 1
+"""
+)
+
+# Frontend: keep the latest turn from the idle pause while nobody watches it
+# (a Responses API ``background`` turn), for as long as the session's keys
+# live without a write: seen_at moves to now + ttl.
+# KEYS: meta
+# ARGV: token_hash, turn, now, ttl (for a session that has none recorded)
+WATCH_UNTIL = (
+    _PRELUDE
+    + """
+local meta = KEYS[1]
+if redis.call('EXISTS', meta) == 0 or redis.call('HGET', meta, 'token') ~= ARGV[1] then
+  return {'not_found'}
+end
+if redis.call('HGET', meta, 'turn') ~= ARGV[2] then return {'stale'} end
+watched(meta, tonumber(ARGV[3]) + ttl_of(meta, ARGV[4]))
+return {'ok'}
 """
 )
 

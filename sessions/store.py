@@ -111,6 +111,7 @@ class SessionStore:
         self._control = redis.register_script(scripts.CONTROL)
         self._touch = redis.register_script(scripts.TOUCH)
         self._close = redis.register_script(scripts.CLOSE)
+        self._watch_until = redis.register_script(scripts.WATCH_UNTIL)
 
     async def create(self, turn_input: TurnInput) -> tuple[str, str]:
         """New session with its first turn queued; returns (session, token).
@@ -280,6 +281,28 @@ class SessionStore:
         if result.effect == "requeue":
             await self.enqueue(session, turn)
         return result
+
+    async def keep_running(self, session: str, token: str, turn: int) -> None:
+        """Exempt the latest turn from the idle pause for the session's TTL: it
+        runs on with nobody watching (a ``background`` response)."""
+        args: list[Any] = [hash_token(token), turn, time.time(), self.ttl_s]
+        reply = [as_str(v) for v in await self._watch_until(keys=[keys.meta(session)], args=args)]
+        if reply[0] == "not_found":
+            raise SessionNotFound(session)
+        if reply[0] == "stale":
+            raise IllegalTransition(Action.START, "no longer the latest turn")
+
+    async def turn_created(self, session: str, turn: int) -> int:
+        """When a turn started (unix seconds; 0 if not recorded)."""
+        return int(await self.redis.hget(keys.meta(session), f"created:{turn}") or 0)
+
+    async def turn_record(self, session: str, turn: int) -> tuple[int, TurnInput | None]:
+        """When a turn started (unix seconds; 0 if not recorded) and its input."""
+        pipe: Pipeline = self.redis.pipeline(transaction=False)
+        pipe.hget(keys.meta(session), f"created:{turn}")
+        pipe.get(keys.turn_input(session, turn))
+        created, raw = await pipe.execute()
+        return int(created or 0), TurnInput.unpack(raw) if raw else None
 
     async def close(self, session: str, token: str) -> None:
         """Delete the session; a running engine sees it gone and stops, and

@@ -243,6 +243,36 @@ async def test_touch_marks_sessions_watched_and_extends_ttl(
     assert float(redis_client.hget(keys.meta(session), "seen_at")) > time.time() - 5
 
 
+async def test_a_turn_kept_running_stays_watched_under_touches_and_controls(
+    store: SessionStore, redis_client: redis.Redis
+) -> None:
+    """A background turn: watched until now + ttl, whoever touches or resumes it
+    meanwhile; the next turn is watched as any other again."""
+    session, token = await store.create(CHAT)
+    await store.keep_running(session, token, 1)
+    until = float(redis_client.hget(keys.meta(session), "seen_at"))
+    assert until > time.time() + 50  # the store's ttl is 60 s
+    await store.touch({session: 1})
+    await store.control(session, token, 1, "pause")
+    assert float(redis_client.hget(keys.meta(session), "seen_at")) == until
+    with pytest.raises(SessionNotFound):
+        await store.keep_running(session, "wrong", 1)
+    with pytest.raises(IllegalTransition):
+        await store.keep_running(session, token, 2)
+    await store.control(session, token, 1, "stop")  # paused --stop--> done
+    await store.add_turn(session, token, CHAT)
+    assert float(redis_client.hget(keys.meta(session), "seen_at")) < time.time() + 1
+
+
+async def test_a_turn_records_when_it_started_and_its_input(store: SessionStore) -> None:
+    before = int(time.time())
+    session, _ = await store.create(CHAT)
+    created, turn_input = await store.turn_record(session, 1)
+    assert before <= created <= time.time() and turn_input == CHAT
+    assert await store.turn_created(session, 1) == created
+    assert await store.turn_record(session, 2) == (0, None)
+
+
 async def test_touch_does_not_bring_back_a_closed_session(
     store: SessionStore, redis_client: redis.Redis
 ) -> None:
