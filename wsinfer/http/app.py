@@ -29,8 +29,10 @@ from wsinfer.access import (
 )
 from wsinfer.contract import ClientMessageType
 from wsinfer.handlers import to_protocol_error
+from wsinfer.http.completions import TextCompletion, parse_completion_request
 from wsinfer.http.connection import HttpConnection, HttpRequest, HttpResponse
 from wsinfer.http.openai import (
+    ChatRequest,
     Completion,
     OpenAIError,
     bad_request,
@@ -39,7 +41,7 @@ from wsinfer.http.openai import (
     sse_for,
     turn_error,
 )
-from wsinfer.http.peer import HttpPeer
+from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
 from wsinfer.messages import Resume, SessionCommand
 from wsinfer.sessions.states import Status
 
@@ -48,10 +50,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("wsinfer.http")
 
-# An SSE comment this often: proxies keep the stream open, a vanished client is noticed.
-KEEPALIVE_S = 15.0
-# How long POST .../stop and .../pause wait to report the outcome (202 after that).
-CONTROL_WAIT_S = 10.0
 SESSION_HEADER = "X-Wsinfer-Session"
 TOKEN_HEADER = "X-Wsinfer-Token"
 TURN_HEADER = "X-Wsinfer-Turn"
@@ -67,6 +65,7 @@ class HttpApp:
         self.connections: set[HttpConnection] = set()
         self.routes: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
             (re.compile(r"/v1/chat/completions"), {"POST": self.chat_completions}),
+            (re.compile(r"/v1/completions"), {"POST": self.completions}),
             (re.compile(r"/v1/models"), {"GET": self.models}),
             (re.compile(r"/v1/models/(?P<model>[^/]+)"), {"GET": self.model}),
             (
@@ -192,23 +191,36 @@ class HttpApp:
         session = one_header(request.headers, SESSION_HEADER)
         token = one_header(request.headers, TOKEN_HEADER)
         chat = parse_chat_request(request.body, config.limits, config.model_name, session, token)
-        peer = self._open_peer()
+        return await self._complete(chat, Completion)
+
+    async def completions(self, request: HttpRequest) -> HttpResponse:
+        """The legacy text completion: a raw-text session, otherwise as a chat completion."""
+        config = self.frontend.config
+        session = one_header(request.headers, SESSION_HEADER)
+        token = one_header(request.headers, TOKEN_HEADER)
+        text = parse_completion_request(
+            request.body, config.limits, config.model_name, session, token
+        )
+        return await self._complete(text, TextCompletion)
+
+    async def _complete(self, chat: ChatRequest, kind: type[Completion]) -> HttpResponse:
+        peer = self.open_peer()
         try:
             await peer.handlers.handle(chat.generate)
+            accepted = peer.accepted()
+            created = await self.created(accepted["session"], accepted["turn"])
         except BaseException:
-            self._close_peer(peer)
+            self.close_peer(peer)
             raise
-        accepted = peer.accepted()
-        completion = Completion(
-            accepted["session"], accepted["turn"], config.model_name, int(time.time())
-        )
+        model = self.frontend.config.model_name
+        completion = kind(accepted["session"], accepted["turn"], model, created)
         headers = [(TOKEN_HEADER, accepted["token"]), *_turn_headers(completion)]
         if chat.stream:
             return self._sse_response(peer, completion, headers, chat.include_usage, after=0)
         try:
             return await self._whole(peer, completion, headers)
         finally:
-            self._close_peer(peer)
+            self.close_peer(peer)
 
     async def _whole(
         self, peer: HttpPeer, completion: Completion, headers: list[tuple[str, str]]
@@ -232,20 +244,30 @@ class HttpApp:
         include_usage: bool,
         after: int,
     ) -> HttpResponse:
+        return self.sse_answer(peer, self._events(peer, completion, include_usage, after), headers)
+
+    def sse_answer(
+        self, peer: HttpPeer, events: AsyncIterator[bytes], headers: list[tuple[str, str]]
+    ) -> HttpResponse:
+        """An event stream that ``peer`` feeds, and that stops following when it ends."""
         head = [("Content-Type", "text/event-stream; charset=utf-8"), ("Cache-Control", "no-store")]
         head.append(("X-Accel-Buffering", "no"))  # nginx: pass each event on at once
         return HttpResponse(
-            200,
-            [*head, *headers],
-            stream=self._events(peer, completion, include_usage, after),
-            cleanup=lambda: self._close_peer(peer),
+            200, [*head, *headers], stream=events, cleanup=lambda: self.close_peer(peer)
         )
+
+    async def created(self, session: str, turn: int) -> int:
+        """When the turn started, as recorded in Redis: one ``created`` for a
+        completion or response however often, and wherever, it is read."""
+        created = await self.frontend.store.turn_created(session, turn)
+        return created or int(time.time())  # a turn started before this was recorded
 
     async def _events(
         self, peer: HttpPeer, completion: Completion, include_usage: bool, after: int
     ) -> AsyncIterator[bytes]:
-        if after == 0:
-            yield sse(completion.chunk({"role": "assistant", "content": ""}), 0)
+        opening = completion.opening()
+        if after == 0 and opening is not None:
+            yield sse(opening, 0)
         while True:
             messages = await peer.messages(KEEPALIVE_S)
             if not messages:
@@ -271,13 +293,15 @@ class HttpApp:
         turn = _non_negative(wanted, "turn") if wanted else info.turn
         if turn < 1:
             raise bad_request("turn must be a positive integer", "turn")
-        peer = self._open_peer()
+        peer = self.open_peer()
         try:
             await peer.handlers.handle(Resume(None, session, token, after, turn))
         except BaseException:
-            self._close_peer(peer)
+            self.close_peer(peer)
             raise
-        completion = Completion(session, turn, self.frontend.config.model_name, int(time.time()))
+        model, created = self.frontend.config.model_name, await self.created(session, turn)
+        kind = TextCompletion if info.meta.mode == "text" else Completion  # a raw-text session
+        completion = kind(session, turn, model, created)
         include_usage = request.query.get("include_usage", "").lower() in ("1", "true")
         return self._sse_response(peer, completion, _turn_headers(completion), include_usage, after)
 
@@ -287,27 +311,27 @@ class HttpApp:
 
     async def delete(self, request: HttpRequest, session: str) -> HttpResponse:
         command = SessionCommand(ClientMessageType.CLOSE, None, session, _session_token(request))
-        peer = self._open_peer()
+        peer = self.open_peer()
         try:
             await peer.handlers.handle(command)
         finally:
-            self._close_peer(peer)
+            self.close_peer(peer)
         return HttpResponse.json(200, {"id": session, "object": "session", "deleted": True})
 
     async def control(self, request: HttpRequest, session: str, action: str) -> HttpResponse:
         token = _session_token(request)
         if action == "resume":
             return await self._unpause(session, token)
-        peer = self._open_peer()
+        peer = self.open_peer()
         try:
             command = SessionCommand(ClientMessageType(action), None, session, token)
             await peer.handlers.handle(command)
             # A stop ends in done; a pause in paused, or done if the turn ended first.
             # (The replay may show an older pause of a turn resumed since: not the answer.)
             wanted = ("done",) if action == "stop" else ("paused", "done")
-            outcome = await _outcome(peer, wanted, CONTROL_WAIT_S)
+            outcome = await peer.outcome(wanted, CONTROL_WAIT_S)
         finally:
-            self._close_peer(peer)
+            self.close_peer(peer)
         if outcome is None:  # the engine has not acted on it yet; it will
             return HttpResponse.json(202, {"session": session, "status": f"{action}_requested"})
         status = Status.PAUSED.value if outcome["type"] == "paused" else Status.DONE.value
@@ -327,26 +351,14 @@ class HttpApp:
 
     # --- peers ------------------------------------------------------------------------
 
-    def _open_peer(self) -> HttpPeer:
+    def open_peer(self) -> HttpPeer:
         peer = HttpPeer(self.frontend)
         self.peers.add(peer)
         return peer
 
-    def _close_peer(self, peer: HttpPeer) -> None:
+    def close_peer(self, peer: HttpPeer) -> None:
         peer.close()
         self.peers.discard(peer)
-
-
-async def _outcome(
-    peer: HttpPeer, wanted: tuple[str, ...], timeout: float
-) -> dict[str, Any] | None:
-    """The message a stop or pause leads to, if it comes in time."""
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        for message in await peer.messages(left):
-            if message["type"] in wanted:
-                return message
-    return None
 
 
 def error_response(exc: OpenAIError, headers: list[tuple[str, str]] | None = None) -> HttpResponse:

@@ -35,9 +35,9 @@ STATUS_BY_CODE = {
 }
 
 # Accepted and ignored: they change nothing about the tokens we produce.
-_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 # Accepted only at the value that means "feature off".
-_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -49,7 +49,7 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
 }
 # OpenAI name -> wsinfer params name; top_k and repetition_penalty are extensions (as in vLLM).
-_PARAMS = {
+PARAMS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "seed": "seed",
@@ -129,8 +129,20 @@ def parse_chat_request(
     body: bytes, limits: Limits, model: str, session: str | None, token: str | None
 ) -> ChatRequest:
     """Validate a ``POST /v1/chat/completions`` body as a ``generate`` of ``session``."""
-    data = _json_object(body)
+    data = json_object(body)
     _check_fields(data)
+    check_model(data, model)
+    stream = flag(data, "stream")
+    include_usage = stream_options(data.get("stream_options"), stream)
+    generate: dict[str, Any] = {
+        "type": "generate",
+        "messages": _messages(data.get("messages")),
+        "params": params_of(data),
+    }
+    return ChatRequest(as_generate(generate, limits, session, token), stream, include_usage)
+
+
+def check_model(data: dict[str, Any], model: str) -> None:
     if not isinstance(data.get("model"), str):
         raise bad_request("you must provide a model parameter (a string)", "model")
     if data["model"] != model:
@@ -139,13 +151,12 @@ def parse_chat_request(
             f"this server serves {model!r}",
             code="model_not_found", param="model",
         )  # fmt: skip
-    stream = _flag(data, "stream")
-    include_usage = _stream_options(data.get("stream_options"), stream)
-    generate: dict[str, Any] = {
-        "type": "generate",
-        "messages": _messages(data.get("messages")),
-        "params": _params(data),
-    }
+
+
+def as_generate(
+    generate: dict[str, Any], limits: Limits, session: str | None, token: str | None
+) -> Generate:
+    """A ``generate`` map checked by the WebSocket door's own parser."""
     if session is not None or token is not None:
         generate.update(session=session, token=token)
     try:
@@ -153,10 +164,10 @@ def parse_chat_request(
     except WsinferError as exc:
         raise OpenAIError.from_wsinfer(exc) from exc
     assert isinstance(parsed, Generate)
-    return ChatRequest(parsed, stream, include_usage)
+    return parsed
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
+def json_object(body: bytes) -> dict[str, Any]:
     """The body as the WebSocket door reads a frame: the same depth, Unicode and
     integer rules, so nothing it holds can fail later (say, in an error's echo)."""
     try:
@@ -175,35 +186,45 @@ def _json_object(body: bytes) -> dict[str, Any]:
 
 def _check_fields(data: dict[str, Any]) -> None:
     known = {"model", "messages", "stream", "stream_options", "max_tokens"}
-    known |= {"max_completion_tokens", "response_format"} | set(_PARAMS)
-    for name in data:
-        if name in _OFF_VALUES:
-            if data[name] not in _OFF_VALUES[name]:
-                value = shorten(repr(data[name]), 64)
-                raise bad_request(f"{name}={value} is not supported", name, "unsupported")
-        elif name not in known and name not in _IGNORED:
-            quoted = shorten(name, 64)
-            raise bad_request(f"Unrecognized request argument supplied: {quoted}", quoted)
+    known |= {"max_completion_tokens", "response_format"} | set(PARAMS)
+    check_fields(data, known, OFF_VALUES, IGNORED)
     response_format = data.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise bad_request("only response_format {type: text} is supported", "response_format")
 
 
-def _flag(data: dict[str, Any], name: str) -> bool:
+def check_fields(
+    data: dict[str, Any],
+    known: set[str],
+    off_values: dict[str, tuple[Any, ...]],
+    ignored: frozenset[str],
+) -> None:
+    """Every field known, ignored, or at the value that turns its feature off."""
+    for name in data:
+        if name in off_values:
+            if data[name] not in off_values[name]:
+                value = shorten(repr(data[name]), 64)
+                raise bad_request(f"{name}={value} is not supported", name, "unsupported")
+        elif name not in known and name not in ignored:
+            quoted = shorten(name, 64)
+            raise bad_request(f"Unrecognized request argument supplied: {quoted}", quoted)
+
+
+def flag(data: dict[str, Any], name: str) -> bool:
     value = data.get(name)
     if value is not None and not isinstance(value, bool):
         raise bad_request(f"{name} must be a boolean", name)
     return bool(value)
 
 
-def _stream_options(options: Any, stream: bool) -> bool:
+def stream_options(options: Any, stream: bool) -> bool:
     if options is None:
         return False
     if not stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise bad_request("stream_options takes only include_usage", "stream_options")
-    return _flag(options, "include_usage")
+    return flag(options, "include_usage")
 
 
 def _messages(raw: Any) -> list[dict[str, str]]:
@@ -234,8 +255,8 @@ def _content(content: Any, param: str) -> str:
     raise bad_request(f"{param} must be a string or a list of text parts", param)
 
 
-def _params(data: dict[str, Any]) -> dict[str, Any]:
-    params = {_PARAMS[k]: v for k, v in data.items() if k in _PARAMS and v is not None}
+def params_of(data: dict[str, Any]) -> dict[str, Any]:
+    params = {PARAMS[k]: v for k, v in data.items() if k in PARAMS and v is not None}
     limit = data.get("max_completion_tokens")
     if limit is None:
         limit = data.get("max_tokens")
@@ -262,8 +283,13 @@ class Completion:
     def id(self) -> str:
         return f"chatcmpl-{self.session}-{self.turn}"
 
+    def opening(self) -> dict[str, Any] | None:
+        """The stream's first chunk, before any text: the assistant's role."""
+        return self.chunk({"role": "assistant", "content": ""})
+
     def chunk(self, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        reason = None if finish_reason is None else openai_finish_reason(finish_reason)
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         return self._envelope(OBJECT_CHUNK, choices=[choice])
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -275,7 +301,7 @@ class Completion:
             "index": 0,
             "message": message,
             "logprobs": None,
-            "finish_reason": done["finish_reason"],
+            "finish_reason": openai_finish_reason(done["finish_reason"]),
         }
         return self._envelope(
             "chat.completion", choices=[choice], usage=openai_usage(done["usage"])
@@ -284,6 +310,12 @@ class Completion:
     def _envelope(self, kind: str, **fields: Any) -> dict[str, Any]:
         head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
         return {**head, "system_fingerprint": None, **fields}
+
+
+def openai_finish_reason(reason: str) -> str:
+    """A turn's finish reason as OpenAI clients know them: a turn a client stopped
+    (wsinfer's ``cancelled``) ended its text there, which OpenAI calls ``stop``."""
+    return "stop" if reason == "cancelled" else reason
 
 
 def openai_usage(usage: dict[str, int]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ them as frames.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
     from wsinfer.server import Frontend
 
 log = structlog.get_logger("wsinfer.http")
+
+# An SSE comment this often: proxies keep the stream open, a vanished client is noticed.
+KEEPALIVE_S = 15.0
+# How long a route that stops or pauses a turn waits to report the outcome.
+CONTROL_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,15 @@ class HttpPeer:
             if not await wait_set(self._wakeup, timeout):
                 return []
             self._wakeup.clear()
+
+    async def outcome(self, wanted: tuple[str, ...], timeout: float) -> dict[str, Any] | None:
+        """The first message of a type in ``wanted`` (a stop's ``done``), if it comes in time."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            for message in await self.messages(left):
+                if message["type"] in wanted:
+                    return message
+        return None
 
     def accepted(self) -> dict[str, Any]:
         """The ``session`` answer to the generate just handled (the rest is kept for later)."""
