@@ -42,6 +42,8 @@ from wsinfer.http.openai import (
     turn_error,
 )
 from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
+from wsinfer.http.responses import loggable
+from wsinfer.http.responses_routes import ResponsesRoutes
 from wsinfer.messages import Resume, SessionCommand
 from wsinfer.sessions.states import Status
 
@@ -66,6 +68,7 @@ class HttpApp:
         self.routes: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
             (re.compile(r"/v1/chat/completions"), {"POST": self.chat_completions}),
             (re.compile(r"/v1/completions"), {"POST": self.completions}),
+            *ResponsesRoutes(self).routes(),
             (re.compile(r"/v1/models"), {"GET": self.models}),
             (re.compile(r"/v1/models/(?P<model>[^/]+)"), {"GET": self.model}),
             (
@@ -117,7 +120,7 @@ class HttpApp:
             cors = self.frontend.access.cors(request.headers)
             response = await self._route(request)
         except Denied as exc:
-            self.frontend.refused(exc.code, path=shorten(request.target))
+            self.frontend.refused(exc.code, path=loggable(request.target))
             response = error_response(OpenAIError(exc.status, exc.message, code=exc.code))
         except OpenAIError as exc:
             self._log_refusal(exc, request)
@@ -125,14 +128,14 @@ class HttpApp:
         except Exception as exc:  # every failure becomes an OpenAI-shaped error
             error = to_protocol_error(exc)
             cause = error.__cause__ if isinstance(error.__cause__, Exception) else exc
-            self.frontend.log_failure(cause, error, shorten(request.target))
+            self.frontend.log_failure(cause, error, loggable(request.target))
             response = error_response(OpenAIError.from_wsinfer(error))
         response.headers.extend(cors)  # a page may read errors too, not only answers
         return response
 
     def _log_refusal(self, exc: OpenAIError, request: HttpRequest) -> None:
         if exc.status < 500:
-            self.frontend.refused(exc.code or "bad_request", path=shorten(request.target))
+            self.frontend.refused(exc.code or "bad_request", path=loggable(request.target))
         else:
             self.frontend.log_limited("warning", "request failed", code=exc.code)
 

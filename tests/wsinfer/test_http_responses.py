@@ -1,0 +1,444 @@
+"""The Responses API and text completions of a real ``wsinfer serve`` (the fake
+model), driven by the official ``openai`` SDK: create, stream, retrieve, resume
+``starting_after`` a cut at every kind of point, background past the idle pause,
+cancel, delete, ``previous_response_id``, a WebSocket turn read as a response
+and the other way round, and the refusals. The dialect alone, without sockets,
+at the end."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.stack import Client, joined, start_serve, stop_serve
+from wsinfer.http.openai import OpenAIError
+from wsinfer.http.responses import (
+    HEAD,
+    ResponseEvents,
+    ResponseId,
+    ResponseView,
+    loggable,
+    parse_response_request,
+)
+from wsinfer.messages import Limits
+from wsinfer.sessions.schema import GenerationParams
+
+KEY = "sekrit"
+IDLE_PAUSE_S = 2.0
+RATE = 100  # tokens a second: a 300-token turn runs 3 s, past the idle pause
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    state = tmp_path_factory.mktemp("serve")
+    process, port = start_serve(
+        state, "--model", f"fake:{RATE}", "--idle-pause", str(IDLE_PAUSE_S), "--api-key", KEY
+    )
+    yield port
+    assert stop_serve(process) == 0
+
+
+@pytest.fixture
+def sdk(serve: int) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve}/v1", api_key=KEY)
+
+
+@pytest.fixture
+async def http(serve: int) -> AsyncIterator[httpx.AsyncClient]:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    base = f"http://127.0.0.1:{serve}"
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=60) as client:
+        yield client
+
+
+def parse_sse(raw: str) -> list[dict[str, Any]]:
+    """The ``data`` of each complete event (comments skipped), checking that
+    ``event:`` and ``id:`` say what the data does."""
+    out = []
+    for block in raw.split("\n\n")[:-1]:
+        fields = dict(line.split(": ", 1) for line in block.split("\n") if not line.startswith(":"))
+        if "data" in fields:
+            data = json.loads(fields["data"])
+            assert fields["event"] == data["type"] and int(fields["id"]) == data["sequence_number"]
+            out.append(data)
+    return out
+
+
+async def cut_stream(http: httpx.AsyncClient, body: dict[str, Any], keep: int) -> list[dict]:
+    """A streaming create whose connection drops after ``keep`` events."""
+    events: list[dict[str, Any]] = []
+    raw = ""
+    async with http.stream("POST", "/v1/responses", json=body) as response:
+        assert response.status_code == 200
+        async for chunk in response.aiter_text():
+            raw += chunk
+            events = parse_sse(raw)
+            if len(events) >= keep:
+                return events[:keep]
+    return events
+
+
+def deltas(events: list[Any]) -> str:
+    return "".join(_get(e, "delta") for e in events if _get(e, "type").endswith("text.delta"))
+
+
+def _get(event: Any, name: str) -> Any:
+    return event[name] if isinstance(event, dict) else getattr(event, name)
+
+
+def numbers(events: list[Any]) -> list[int]:
+    return [_get(e, "sequence_number") for e in events]
+
+
+async def until_ended(sdk: openai.AsyncOpenAI, rid: str, timeout_s: float = 60) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        response = await sdk.responses.retrieve(rid)
+        if response.status not in ("queued", "in_progress"):
+            return response
+        time.sleep(0.1)
+    raise TimeoutError(f"the response did not end in {timeout_s} s")
+
+
+# --- create, stream, retrieve ---------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_create_whole_and_streamed_and_retrieve(sdk: openai.AsyncOpenAI) -> None:
+    whole = await sdk.responses.create(
+        model="wsinfer", input="Hello", instructions="Be brief.", max_output_tokens=12
+    )
+    assert whole.id.startswith("resp_") and whole.object == "response"
+    assert whole.status == "incomplete" and whole.incomplete_details is not None
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage is not None and whole.usage.output_tokens == 12
+    assert whole.instructions == "Be brief." and whole.max_output_tokens == 12
+    text = whole.output_text
+    assert text and whole.output[0].type == "message"
+    stream = await sdk.responses.create(
+        model="wsinfer", input=[{"role": "user", "content": "Hello"}], max_output_tokens=12,
+        stream=True,
+    )  # fmt: skip
+    events = [e async for e in stream]
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+    ]  # fmt: skip
+    assert kinds[-4:] == [
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.incomplete",
+    ]  # fmt: skip
+    assert numbers(events) == sorted(set(numbers(events))) and numbers(events)[:4] == [0, 1, 2, 3]
+    assert deltas(events) == events[-4].text == text  # the fake model: token i is one word
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == 12
+    again = await sdk.responses.retrieve(final.id)
+    assert (again.status, again.output_text, again.created_at) == (
+        "incomplete", text, events[0].response.created_at
+    )  # fmt: skip
+
+
+# --- resume ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep", [1, 4, 6, 12])
+async def test_resume_starting_after_a_cut_is_exactly_once(
+    http: httpx.AsyncClient, sdk: openai.AsyncOpenAI, keep: int
+) -> None:
+    """Cut in the opening events, right after them, and twice mid-text while the
+    turn runs; then the SDK resumes from the last sequence number it saw."""
+    body = {"model": "wsinfer", "input": "story", "max_output_tokens": 150, "stream": True}
+    first = await cut_stream(http, body, keep)
+    rid = first[0]["response"]["id"]
+    stream = await sdk.responses.retrieve(rid, stream=True, starting_after=numbers(first)[-1])
+    rest = [e async for e in stream]
+    seen = numbers(first) + numbers(rest)
+    assert seen == sorted(set(seen)), "a sequence number was repeated or went back"
+    assert seen[:4] == [0, 1, 2, 3] and rest[-1].type == "response.incomplete"
+    whole = (await sdk.responses.retrieve(rid)).output_text
+    assert deltas(first) + deltas(rest) == whole == rest[-4].text
+    assert rest[-1].response.output_text == whole
+    assert rest[-1].response.created_at == first[0]["response"]["created_at"]
+
+
+@pytest.mark.slow
+async def test_resume_within_the_closing_events(sdk: openai.AsyncOpenAI) -> None:
+    stream = await sdk.responses.create(
+        model="wsinfer", input="x", max_output_tokens=8, stream=True
+    )
+    events = [e async for e in stream]
+    rid = events[0].response.id
+    for tail in (4, 2, 1):
+        cut = numbers(events)[-tail - 1]
+        rest = [e async for e in await sdk.responses.retrieve(rid, stream=True, starting_after=cut)]
+        assert numbers(rest) == numbers(events)[-tail:]
+        assert rest[-1].response.output_text == events[-1].response.output_text
+    everything = [e async for e in await sdk.responses.retrieve(rid, stream=True)]
+    assert numbers(everything)[:4] == [0, 1, 2, 3] and deltas(everything) == deltas(events)
+
+
+# --- background, cancel, delete ------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_background_runs_on_unwatched_past_the_idle_pause(
+    http: httpx.AsyncClient, sdk: openai.AsyncOpenAI
+) -> None:
+    tokens = int(RATE * IDLE_PAUSE_S * 2)  # twice as long as the idle limit
+    background = await sdk.responses.create(
+        model="wsinfer", input="go", max_output_tokens=tokens, background=True
+    )
+    assert background.status in ("queued", "in_progress") and background.background is True
+    # The same turn, not in the background, abandoned by its client: idle-paused.
+    body = {"model": "wsinfer", "input": "go", "max_output_tokens": tokens, "stream": True}
+    abandoned = (await cut_stream(http, body, keep=5))[0]["response"]["id"]
+    ended = await until_ended(sdk, background.id)
+    assert ended.status == "incomplete" and ended.usage is not None
+    assert ended.usage.output_tokens == tokens and ended.background is True
+    left = ResponseId.parse(abandoned)
+    info = await http.get(f"/v1/sessions/{left.session}", headers={"X-Wsinfer-Token": left.token})
+    assert info.json()["status"] == "paused"
+    assert (await sdk.responses.retrieve(abandoned)).status == "in_progress"
+    # Reading it as a stream continues it to its end, as a WebSocket resume would.
+    rest = [e async for e in await sdk.responses.retrieve(abandoned, stream=True)]
+    assert rest[-1].type == "response.incomplete"
+    assert len(rest[-1].response.output_text.split()) == tokens
+
+
+@pytest.mark.slow
+async def test_cancel_then_delete(sdk: openai.AsyncOpenAI) -> None:
+    running = await sdk.responses.create(
+        model="wsinfer", input="go", max_output_tokens=2000, background=True
+    )
+    cancelled = await sdk.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.usage is not None
+    assert cancelled.usage.output_tokens < 2000
+    events = [e async for e in await sdk.responses.retrieve(running.id, stream=True)]
+    # Not among the SDK's typed stream events (OpenAI names it for webhooks): a plain one.
+    assert events[-1].type == "response.cancelled"
+    assert events[-1].response["status"] == "cancelled"
+    assert (await sdk.responses.cancel(running.id)).status == "cancelled"  # once is enough
+    await sdk.responses.delete(running.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        await sdk.responses.retrieve(running.id)
+    assert caught.value.body == {
+        "message": "No response found with that id",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "not_found",
+    }
+
+
+# --- conversations ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_previous_response_id_continues_the_session(sdk: openai.AsyncOpenAI) -> None:
+    first = await sdk.responses.create(model="wsinfer", input="one", max_output_tokens=5)
+    second = await sdk.responses.create(
+        model="wsinfer", input="two", max_output_tokens=5, previous_response_id=first.id
+    )
+    one, two = ResponseId.parse(first.id), ResponseId.parse(second.id)
+    assert (two.session, two.turn, two.token) == (one.session, 2, one.token)
+    assert second.previous_response_id == first.id
+    assert second.usage is not None and second.usage.input_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.BadRequestError):  # a session goes on from its last turn
+        await sdk.responses.create(
+            model="wsinfer", input="x", max_output_tokens=5, previous_response_id=first.id
+        )
+    with pytest.raises(openai.NotFoundError):
+        await sdk.responses.create(
+            model="wsinfer", input="x", previous_response_id=f"resp_{one.session}_2_wrong"
+        )
+
+
+@pytest.mark.slow
+async def test_a_websocket_turn_is_a_response_and_back(serve: int, sdk: openai.AsyncOpenAI) -> None:
+    client = await Client.open(serve, additional_headers={"Authorization": f"Bearer {KEY}"})
+    try:
+        await client.send(type="generate", prompt="hi", params={"max_new_tokens": 20})
+        messages = await client.until("done")
+        accepted = messages[0]
+        text, _ = joined(messages)
+        rid = f"resp_{accepted['session']}_{accepted['turn']}_{accepted['token']}"
+        response = await sdk.responses.retrieve(rid)
+        assert response.output_text == text and response.status == "incomplete"
+        events = [e async for e in await sdk.responses.retrieve(rid, stream=True)]
+        assert deltas(events) == text
+        # And back: a response's id names the session a WebSocket client resumes.
+        created = await sdk.responses.create(model="wsinfer", input="hi", max_output_tokens=9)
+        ids = ResponseId.parse(created.id)
+        await client.send(type="resume", session=ids.session, token=ids.token, after=0)
+        assert joined(await client.until("done"))[0] == created.output_text
+    finally:
+        await client.close()
+
+
+# --- text completions and finish reasons ------------------------------------------
+
+
+@pytest.mark.slow
+async def test_completions_whole_streamed_and_continued(
+    http: httpx.AsyncClient, sdk: openai.AsyncOpenAI
+) -> None:
+    raw = await sdk.completions.with_raw_response.create(
+        model="wsinfer", prompt="Once", max_tokens=6
+    )
+    whole = raw.parse()
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 6
+    session, token = raw.headers["x-wsinfer-session"], raw.headers["x-wsinfer-token"]
+    assert whole.id == f"cmpl-{session}-1"
+    chunks = [
+        c
+        async for c in await sdk.completions.create(
+            model="wsinfer", prompt=["Once"], max_tokens=6, stream=True,
+            stream_options={"include_usage": True},
+        )
+    ]  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage is not None and len({c.created for c in chunks}) == 1
+    more = await sdk.completions.create(
+        model="wsinfer", prompt=" and", max_tokens=3,
+        extra_headers={"X-Wsinfer-Session": session, "X-Wsinfer-Token": token},
+    )  # fmt: skip
+    assert more.id == f"cmpl-{session}-2" and more.usage is not None
+    assert more.usage.prompt_tokens > whole.usage.prompt_tokens  # the text went on
+    # Its resume speaks text_completion too, with the turn's one `created`.
+    resumed = await http.get(
+        f"/v1/sessions/{session}/stream", params={"turn": 1}, headers={"X-Wsinfer-Token": token}
+    )
+    first = json.loads(resumed.text.split("data: ", 2)[1].split("\n")[0])
+    assert first["object"] == "text_completion" and first["created"] == whole.created
+
+
+@pytest.mark.slow
+async def test_a_stopped_chat_turn_finishes_with_stop(
+    http: httpx.AsyncClient, sdk: openai.AsyncOpenAI
+) -> None:
+    raw = await sdk.chat.completions.with_raw_response.create(
+        model="wsinfer", messages=[{"role": "user", "content": "go"}], max_tokens=2000,
+        stream=True,
+    )  # fmt: skip
+    stream = raw.parse()
+    session, token = raw.headers["x-wsinfer-session"], raw.headers["x-wsinfer-token"]
+    first = await anext(aiter(stream))
+    stopped = await http.post(f"/v1/sessions/{session}/stop", headers={"X-Wsinfer-Token": token})
+    assert stopped.json()["finish_reason"] == "cancelled"  # wsinfer's own route says what it was
+    chunks = [first, *[c async for c in stream]]
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "stop" and "cancelled" not in reasons
+    assert len({c.created for c in chunks}) == 1
+
+
+# --- refusals -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_refusals_in_openai_shape(serve: int, sdk: openai.AsyncOpenAI) -> None:
+    for bad in ({"temperature": 9}, {"input": []}, {"tools": [{"type": "function"}]},
+                {"frobnicate": 1}, {"input": [{"type": "function_call_output"}]}):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.responses.create(model="wsinfer", extra_body={"input": "x", **bad})
+        assert set(caught.value.body) == {"message", "type", "param", "code"}  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        await sdk.responses.create(model="other", input="x")
+    made = await sdk.responses.create(model="wsinfer", input="x", max_output_tokens=2)
+    rid = ResponseId.parse(made.id)
+    for wrong in (
+        f"resp_{rid.session}_{rid.turn}_not-the-token",  # another's session: not found
+        f"resp_{rid.session}_9_{rid.token}",  # no such turn
+        "resp_nonsense",
+        "chatcmpl-x",
+    ):
+        with pytest.raises(openai.NotFoundError):
+            await sdk.responses.retrieve(wrong)
+        with pytest.raises(openai.NotFoundError):
+            await sdk.responses.cancel(wrong)
+    with pytest.raises(openai.BadRequestError):
+        await sdk.responses.retrieve(made.id, stream=True, extra_query={"starting_after": "x"})  # type: ignore[call-overload]
+    stranger = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve}/v1", api_key="wrong")
+    with pytest.raises(openai.AuthenticationError):
+        await stranger.responses.retrieve(made.id)
+
+
+# --- the dialect, without sockets --------------------------------------------------
+
+
+def test_a_response_id_names_session_turn_and_token() -> None:
+    rid = ResponseId("0123abcd", 7, "tok_en-with_under_scores")
+    assert str(rid) == "resp_0123abcd_7_tok_en-with_under_scores"
+    assert ResponseId.parse(str(rid)) == rid
+    assert rid.previous == ResponseId("0123abcd", 6, rid.token)
+    assert ResponseId("s", 1, "t").previous is None
+    for text in ("resp_", "resp_s_0_t", "resp_s_x_t", "resp_s_1_", "resp_s-x_1_t", "msg_s_1_t",
+                 "resp_s_²_t", f"resp_{'s' * 300}_1_t"):  # fmt: skip
+        with pytest.raises(OpenAIError) as caught:
+            ResponseId.parse(text)
+        assert caught.value.status == 404 and "resp_" not in caught.value.message
+
+
+def test_log_lines_never_carry_a_response_id_or_a_token() -> None:
+    line = loggable("/v1/responses/resp_s_1_SECRET/cancel?stream=true&starting_after=3")
+    assert "SECRET" not in line and line.startswith("/v1/responses/resp_[redacted]/cancel")
+    line = loggable("/v1/sessions/s/stream?session_token=SECRET&token=KEY&after=2")
+    assert "SECRET" not in line and "KEY" not in line and line.endswith("&after=2")
+
+
+def request(**body: Any) -> Any:
+    data = {"model": "m", "input": "hi", **body}
+    return parse_response_request(json.dumps(data).encode(), Limits(), "m")
+
+
+def test_a_request_becomes_a_generate() -> None:
+    asked = request(
+        instructions="brief", max_output_tokens=7, temperature=0, top_p=0.5, background=True,
+        input=[{"type": "message", "role": "developer", "content": "x"},
+               {"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                            {"type": "input_text", "text": "b"}]}],
+        previous_response_id="resp_s_3_t", store=True, tool_choice="auto", metadata={"k": "v"},
+    )  # fmt: skip
+    assert asked.generate.messages == [
+        {"role": "system", "content": "brief"},
+        {"role": "system", "content": "x"},
+        {"role": "user", "content": "ab"},
+    ]
+    params = asked.generate.params
+    assert (params.max_new_tokens, params.temperature, params.top_p) == (7, 0.0, 0.5)
+    assert (asked.generate.session, asked.generate.token) == ("s", "t")
+    assert asked.background and not asked.stream and asked.metadata == {"k": "v"}
+    assert request().generate.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_sequence_numbers_follow_the_turn_seq() -> None:
+    view = ResponseView(ResponseId("s", 1, "t"), "m", 5, GenerationParams())
+    usage = {"prompt_tokens": 3, "completion_tokens": 4, "cached_tokens": 0}
+    done = {"seq": 4, "finish_reason": "cancelled", "usage": usage}
+
+    def replay(after: int) -> list[dict[str, Any]]:
+        events = ResponseEvents(view, after)
+        out = events.opening("queued")
+        log = ((2, "a"), (4, "b"))  # the turn's deltas: (seq, text)
+        for seq, text in log:
+            if seq > events.seq_after:  # what the turn's resume from seq_after replays
+                out += events.delta(seq, text)
+        before = "".join(text for seq, text in log if seq <= events.seq_after)
+        return parse_sse((out + events.closing(done, before)).decode())
+
+    everything = replay(-1)
+    assert numbers(everything) == [0, 1, 2, 3, HEAD + 2, HEAD + 4, 8, 9, 10, 11]
+    assert everything[-1]["type"] == "response.cancelled"
+    assert everything[-4]["text"] == "ab" and everything[-1]["response"]["status"] == "cancelled"
+    for after in range(-1, 12):
+        tail = replay(after)
+        assert numbers(tail) == [n for n in numbers(everything) if n > after]
+        if tail and after >= HEAD + 2:
+            assert tail[-1]["response"]["output"][0]["content"][0]["text"] == "ab"

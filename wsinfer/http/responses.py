@@ -1,0 +1,379 @@
+"""OpenAI's Responses API dialect, sans I/O: ids, requests, response objects, events.
+
+A response is one turn of a wsinfer session, with the turn's state, token log
+and guarantees; ``previous_response_id`` adds the next turn to the session
+(its KV cache kept where the engine still has it). Nothing is kept beyond
+what Redis holds for the session, so any frontend answers for any response:
+
+- **Ids.** ``resp_{session}_{turn}_{token}``: the turn, and the session's
+  token that proves the right to it, as ``X-Wsinfer-Token`` does. A response
+  id is a secret, like the token it carries; the frontend never logs it.
+  ``msg_{session}_{turn}`` names the response's one output message.
+- **Sequence numbers** are the turn's ``seq``, shifted: the four opening
+  events are 0 to 3, a text delta whose WebSocket ``seq`` is ``s`` is
+  ``3 + s``, and the four closing events follow the ``done``'s ``seq`` ``S``
+  as ``3 + S + 1`` to ``3 + S + 4``. A stream resumed ``starting_after=N`` on
+  any frontend is the turn resumed ``after = N - 3``: nothing lost, nothing
+  repeated, whichever way the deltas were merged for each reader.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from wsinfer.access import shorten
+from wsinfer.contract import ErrorCode
+from wsinfer.http.openai import (
+    IGNORED,
+    OpenAIError,
+    as_generate,
+    bad_request,
+    check_fields,
+    check_model,
+    flag,
+    json_object,
+)
+from wsinfer.messages import Generate, Limits
+from wsinfer.sessions.schema import GenerationParams
+
+PREFIX = "resp_"
+HEAD = 3  # the opening events are numbered 0..HEAD; a delta at seq s is HEAD + s
+MAX_ID_PART = 256  # a session id or token longer than this is none we issued
+
+_KNOWN = {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+    "stream", "background", "previous_response_id", "metadata",
+}  # fmt: skip
+_IGNORED = IGNORED | {"truncation", "prompt_cache_key", "safety_identifier", "stream_options"}
+# Accepted only at the value that means "feature off".
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "include": (None, []),
+    "text": (None, {"format": {"type": "text"}}),
+    "reasoning": (None,),
+    "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
+    "conversation": (None,),
+    "prompt": (None,),
+}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_TEXT_PARTS = ("input_text", "output_text")
+# A turn's status (sessions.states) as a response's, while it has not ended.
+_LIVE_STATUS = {"queued": "queued", "running": "in_progress", "paused": "in_progress"}
+
+
+def not_found() -> OpenAIError:
+    # The id is not quoted: it holds the session's token.
+    return OpenAIError(404, "No response found with that id", code="not_found")
+
+
+@dataclass(frozen=True)
+class ResponseId:
+    session: str
+    turn: int
+    token: str
+
+    def __str__(self) -> str:
+        return f"{PREFIX}{self.session}_{self.turn}_{self.token}"
+
+    @property
+    def item_id(self) -> str:
+        return f"msg_{self.session}_{self.turn}"
+
+    @property
+    def previous(self) -> ResponseId | None:
+        return ResponseId(self.session, self.turn - 1, self.token) if self.turn > 1 else None
+
+    @classmethod
+    def parse(cls, text: str) -> ResponseId:
+        """A response id we issued, or 404 (an id we could not have issued names nothing)."""
+        parts = text.removeprefix(PREFIX).split("_", 2) if text.startswith(PREFIX) else []
+        if len(parts) != 3:
+            raise not_found()
+        session, turn, token = parts
+        good_turn = turn.isascii() and turn.isdigit() and len(turn) <= 18 and int(turn) > 0
+        if not (session.isascii() and session.isalnum() and good_turn and token):
+            raise not_found()
+        if len(session) > MAX_ID_PART or len(token) > MAX_ID_PART:
+            raise not_found()
+        return cls(session, int(turn), token)
+
+
+@dataclass(frozen=True)
+class ResponseRequest:
+    generate: Generate
+    stream: bool
+    background: bool
+    previous: ResponseId | None
+    instructions: str | None
+    metadata: dict[str, str]
+
+
+def parse_response_request(body: bytes, limits: Limits, model: str) -> ResponseRequest:
+    """Validate a ``POST /v1/responses`` body as a ``generate`` (of the previous
+    response's session, with ``previous_response_id``)."""
+    data = json_object(body)
+    check_fields(data, _KNOWN, _OFF_VALUES, _IGNORED)
+    check_model(data, model)
+    instructions = data.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("instructions must be a string", "instructions")
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    messages += _input(data.get("input"))
+    previous = _previous(data.get("previous_response_id"))
+    generate = as_generate(
+        {"type": "generate", "messages": messages, "params": _params(data)},
+        limits,
+        previous.session if previous else None,
+        previous.token if previous else None,
+    )
+    return ResponseRequest(
+        generate,
+        flag(data, "stream"),
+        flag(data, "background"),
+        previous,
+        instructions,
+        _metadata(data.get("metadata")),
+    )
+
+
+def _params(data: dict[str, Any]) -> dict[str, Any]:
+    names = {"max_output_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p"}
+    return {ours: data[theirs] for theirs, ours in names.items() if data.get(theirs) is not None}
+
+
+def _previous(raw: Any) -> ResponseId | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise bad_request("previous_response_id must be a string", "previous_response_id")
+    try:
+        return ResponseId.parse(raw)
+    except OpenAIError:
+        message = "No previous response found with that id"
+        raise OpenAIError(404, message, code="not_found", param="previous_response_id") from None
+
+
+def _metadata(raw: Any) -> dict[str, str]:
+    """Echoed in the answers to this request (wsinfer keeps no metadata)."""
+    if raw is None:
+        return {}
+    if (
+        not isinstance(raw, dict)
+        or len(raw) > 16
+        or not all(isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in raw.items())
+    ):
+        raise bad_request("metadata takes at most 16 string pairs", "metadata")
+    return dict(raw)
+
+
+def _input(raw: Any) -> list[dict[str, str]]:
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("input must be a string or a non-empty array of messages", "input")
+    return [_item(item, i) for i, item in enumerate(raw)]
+
+
+def _item(item: Any, index: int) -> dict[str, str]:
+    param = f"input[{index}]"
+    allowed = {"type", "role", "content", "id", "status"}
+    if (
+        not isinstance(item, dict)
+        or item.get("type", "message") != "message"
+        or set(item) - allowed
+    ):
+        raise bad_request(f"{param} must be a message {{role, content}}", param, "unsupported")
+    raw_role = item.get("role")
+    role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
+    if role is None:
+        raise bad_request(f"{param}.role must be one of {sorted(_ROLES)}", f"{param}.role")
+    return {"role": role, "content": _text(item.get("content"), f"{param}.content")}
+
+
+def _text(content: Any, param: str) -> str:
+    """A string, or text parts joined (images, files and audio are refused)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        parts = [p for p in content if isinstance(p, dict) and p.get("type") in _TEXT_PARTS]
+        texts = [p.get("text") for p in parts]
+        if len(parts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "".join(str(t) for t in texts)
+    raise bad_request(f"{param} must be a string or a list of text parts", param)
+
+
+# --- response objects -------------------------------------------------------------------
+
+
+def live_status(turn_status: str) -> str:
+    return _LIVE_STATUS.get(turn_status, "in_progress")
+
+
+def outcome(done: dict[str, Any]) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+    """A ``done``'s finish reason as a response's ``status``, ``incomplete_details``
+    and ``error``. A turn a client stopped is ``cancelled``, as OpenAI's are."""
+    reason = done["finish_reason"]
+    if reason == "stop":
+        return "completed", None, None
+    if reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}, None
+    if reason == "cancelled":
+        return "cancelled", None, None
+    error = done.get("error") or {}
+    code = "invalid_prompt" if error.get("code") == ErrorCode.TOO_LARGE else "server_error"
+    return "failed", None, {"code": code, "message": str(error.get("message", "the turn failed"))}
+
+
+def response_usage(usage: dict[str, int]) -> dict[str, Any]:
+    prompt, output = usage["prompt_tokens"], usage["completion_tokens"]
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": usage["cached_tokens"]},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
+
+
+@dataclass(frozen=True)
+class ResponseView:
+    """What every answer about one response shares (a resumed stream reuses it)."""
+
+    rid: ResponseId
+    model: str
+    created_at: int
+    params: GenerationParams
+    instructions: str | None = None
+    background: bool | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def body(
+        self, status: str, text: str | None, done: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The response object: ``text`` None before the output message exists."""
+        incomplete = error = usage = None
+        if done is not None:
+            status, incomplete, error = outcome(done)
+            usage = response_usage(done["usage"])
+        previous = self.rid.previous
+        return {
+            "id": str(self.rid),
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": self.background,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": self.instructions,
+            "max_output_tokens": self.params.max_new_tokens,
+            "metadata": self.metadata,
+            "model": self.model,
+            "output": [] if text is None else [self.item(status, text)],
+            "parallel_tool_calls": False,
+            "previous_response_id": None if previous is None else str(previous),
+            "temperature": self.params.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "none",
+            "tools": [],
+            "top_p": self.params.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+        }
+
+    def item(self, status: str, text: str | None) -> dict[str, Any]:
+        """The output message; an item is only ever in progress, completed or incomplete."""
+        item_status = status if status in ("in_progress", "completed") else "incomplete"
+        if status == "queued":
+            item_status = "in_progress"
+        content = [] if text is None else [_part(text)]
+        return {
+            "id": self.rid.item_id,
+            "type": "message",
+            "role": "assistant",
+            "status": item_status,
+            "content": content,
+        }
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def event(kind: str, number: int, **fields: Any) -> bytes:
+    """One SSE event as OpenAI sends it (``event:`` named), ``id`` its sequence number."""
+    data = json.dumps({"type": kind, "sequence_number": number, **fields}, ensure_ascii=False)
+    return f"id: {number}\nevent: {kind}\ndata: {data}\n\n".encode()
+
+
+class ResponseEvents:
+    """The events of one response for a reader that has those up to ``after``
+    (-1: none): numbered from the turn's ``seq`` (see the module's docstring)."""
+
+    def __init__(self, view: ResponseView, after: int) -> None:
+        self.view = view
+        self.after = after
+        self.text: list[str] = []  # the text streamed to this reader
+        self.last = after  # the last sequence number this reader has
+
+    @property
+    def seq_after(self) -> int:
+        """The ``after`` of the turn's resume that gives this reader its deltas."""
+        return max(0, self.after - HEAD)
+
+    def opening(self, status: str) -> bytes:
+        view, where = self.view, {"output_index": 0}
+        item = {"item_id": view.rid.item_id, **where, "content_index": 0}
+        events: list[tuple[str, dict[str, Any]]] = [
+            ("response.created", {"response": view.body(status, None)}),
+            ("response.in_progress", {"response": view.body("in_progress", None)}),
+            ("response.output_item.added", {**where, "item": view.item("in_progress", None)}),
+            ("response.content_part.added", {**item, "part": _part("")}),
+        ]
+        return self._numbered(0, events)
+
+    def delta(self, seq: int, text: str) -> bytes:
+        self.text.append(text)
+        number = HEAD + seq
+        if number <= self.after:  # the resume's replay starts after it: never the case
+            return b""
+        self.last = number
+        item = {"item_id": self.view.rid.item_id, "output_index": 0, "content_index": 0}
+        return event("response.output_text.delta", number, **item, delta=text, logprobs=[])
+
+    def closing(self, done: dict[str, Any], before: str) -> bytes:
+        """The four events after the ``done``; ``before``: the text this reader
+        had before its stream started (the resume's ``after``)."""
+        view, text = self.view, before + "".join(self.text)
+        status = outcome(done)[0]
+        item = {"item_id": view.rid.item_id, "output_index": 0, "content_index": 0}
+        events: list[tuple[str, dict[str, Any]]] = [
+            ("response.output_text.done", {**item, "text": text, "logprobs": []}),
+            ("response.content_part.done", {**item, "part": _part(text)}),
+            ("response.output_item.done", {"output_index": 0, "item": view.item(status, text)}),
+            (f"response.{status}", {"response": view.body(status, text, done)}),
+        ]
+        return self._numbered(HEAD + done["seq"] + 1, events)
+
+    def _numbered(self, first: int, events: list[tuple[str, dict[str, Any]]]) -> bytes:
+        out = b""
+        for number, (kind, fields) in enumerate(events, first):
+            if number > self.after:
+                out += event(kind, number, **fields)
+                self.last = number
+        return out
+
+
+_RESPONSE_IN_PATH = re.compile(r"(/v1/responses/)[^/?#]+")
+_SECRET_IN_QUERY = re.compile(r"([?&](?:token|session_token)=)[^&#]*")
+
+
+def loggable(target: str) -> str:
+    """A request target fit for a log line: a response id carries its session's
+    token, and ``?token=``/``?session_token=`` are secrets too."""
+    target = _RESPONSE_IN_PATH.sub(r"\1resp_[redacted]", target)
+    return shorten(_SECRET_IN_QUERY.sub(r"\1[redacted]", target))

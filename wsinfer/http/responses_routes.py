@@ -1,0 +1,255 @@
+"""The Responses API routes: ``/v1/responses`` over the HTTP door's session operations.
+
+Each route runs what the chat-completions routes run (an ``HttpPeer``: the
+connection protocol's exactly-once delivery by ``seq``, and ``Handlers`` for
+every Redis operation); ``responses.py`` names, shapes and numbers what they
+send. A response is a (session, turn) and its id carries the session's
+token, so every route answers from Redis alone, on any frontend.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from wsinfer.contract import ClientMessageType
+from wsinfer.http.connection import HttpRequest, HttpResponse
+from wsinfer.http.openai import bad_request, turn_error
+from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
+from wsinfer.http.responses import (
+    ResponseEvents,
+    ResponseId,
+    ResponseView,
+    event,
+    live_status,
+    not_found,
+    parse_response_request,
+)
+from wsinfer.messages import Resume, SessionCommand, done_message
+from wsinfer.sessions.schema import DeltaEvent, DoneEvent, GenerationParams
+from wsinfer.sessions.states import Status
+from wsinfer.sessions.store import SessionInfo, SessionNotFound
+
+if TYPE_CHECKING:
+    from wsinfer.http.app import Handler, HttpApp
+
+SESSION_HEADER = "X-Wsinfer-Session"
+TURN_HEADER = "X-Wsinfer-Turn"
+
+
+class ResponsesRoutes:
+    def __init__(self, app: HttpApp) -> None:
+        self.app = app
+        self.frontend = app.frontend
+
+    def routes(self) -> list[tuple[re.Pattern[str], dict[str, Handler]]]:
+        one = r"/v1/responses/(?P<response_id>[^/]+)"
+        return [
+            (re.compile(r"/v1/responses"), {"POST": self.create}),
+            (re.compile(one), {"GET": self.retrieve, "DELETE": self.delete}),
+            (re.compile(one + "/cancel"), {"POST": self.cancel}),
+        ]
+
+    # --- routes -----------------------------------------------------------------------
+
+    async def create(self, request: HttpRequest) -> HttpResponse:
+        config = self.frontend.config
+        ask = parse_response_request(request.body, config.limits, config.model_name)
+        if ask.previous is not None:
+            await self._latest(ask.previous)
+        peer = self.app.open_peer()
+        try:
+            await peer.handlers.handle(ask.generate)
+            accepted = peer.accepted()
+            rid = ResponseId(accepted["session"], accepted["turn"], accepted["token"])
+            if ask.background:  # before the POST's own follower can leave
+                await self.frontend.store.keep_running(rid.session, rid.token, rid.turn)
+            created = await self.app.created(rid.session, rid.turn)
+        except BaseException:
+            self.app.close_peer(peer)
+            raise
+        view = ResponseView(
+            rid, config.model_name, created, ask.generate.params,
+            ask.instructions, ask.background, ask.metadata,
+        )  # fmt: skip
+        status = live_status(accepted["status"])
+        if ask.stream:
+            stream = self._events(peer, ResponseEvents(view, -1), status)
+            return self.app.sse_answer(peer, stream, _headers(rid))
+        if ask.background:  # answered at once; the turn runs on, unwatched
+            self.app.close_peer(peer)
+            return HttpResponse.json(200, view.body(status, None), _headers(rid))
+        try:
+            return await self._whole(peer, view, _headers(rid))
+        finally:
+            self.app.close_peer(peer)
+
+    async def retrieve(self, request: HttpRequest, response_id: str) -> HttpResponse:
+        rid = ResponseId.parse(response_id)
+        if request.query.get("stream", "").lower() in ("1", "true"):
+            return await self._resume(request, rid)
+        info = await self._info(rid)
+        return HttpResponse.json(200, await self._snapshot(rid, info), _headers(rid))
+
+    async def cancel(self, request: HttpRequest, response_id: str) -> HttpResponse:
+        """Stop the turn (a finished one stays as it is) and answer the response."""
+        rid = ResponseId.parse(response_id)
+        info = await self._info(rid)
+        if rid.turn == info.turn and info.status != Status.DONE.value:
+            stop = SessionCommand(ClientMessageType.STOP, None, rid.session, rid.token)
+            peer = self.app.open_peer()
+            try:
+                await peer.handlers.handle(stop)
+                await peer.outcome(("done",), CONTROL_WAIT_S)
+            finally:
+                self.app.close_peer(peer)
+            info = await self._info(rid)
+        return HttpResponse.json(200, await self._snapshot(rid, info), _headers(rid))
+
+    async def delete(self, request: HttpRequest, response_id: str) -> HttpResponse:
+        """Close the response's session: every response of the conversation goes with it."""
+        rid = ResponseId.parse(response_id)
+        await self._info(rid)
+        peer = self.app.open_peer()
+        try:
+            await peer.handlers.handle(
+                SessionCommand(ClientMessageType.CLOSE, None, rid.session, rid.token)
+            )
+        finally:
+            self.app.close_peer(peer)
+        return HttpResponse.json(200, {"id": str(rid), "object": "response", "deleted": True})
+
+    # --- streams ----------------------------------------------------------------------
+
+    async def _resume(self, request: HttpRequest, rid: ResponseId) -> HttpResponse:
+        """The response's events after ``starting_after``, then live: the turn
+        resumed from the seq that number maps to (a paused turn goes on)."""
+        after = _starting_after(request.query.get("starting_after"))
+        info = await self._info(rid)
+        events = ResponseEvents(await self._view(rid, info), after)
+        peer = self.app.open_peer()
+        try:
+            await peer.handlers.handle(
+                Resume(None, rid.session, rid.token, events.seq_after, rid.turn)
+            )
+        except BaseException:
+            self.app.close_peer(peer)
+            raise
+        status = live_status(info.status) if rid.turn == info.turn else "in_progress"
+        return self.app.sse_answer(peer, self._events(peer, events, status), _headers(rid))
+
+    async def _events(
+        self, peer: HttpPeer, events: ResponseEvents, status: str
+    ) -> AsyncIterator[bytes]:
+        opening = events.opening(status)
+        if opening:
+            yield opening
+        while True:
+            messages = await peer.messages(KEEPALIVE_S)
+            if not messages:
+                yield b": keep-alive\n\n"
+            for message in messages:
+                out = await self._event_for(events, message)
+                if out:
+                    yield out
+                if message["type"] in ("done", "error"):
+                    return
+
+    async def _event_for(self, events: ResponseEvents, message: dict[str, Any]) -> bytes:
+        kind = message["type"]
+        if kind == "delta":
+            return events.delta(message["seq"], message["text"])
+        if kind == "paused":  # a comment: the stream stays open and goes on when resumed
+            return f": paused at seq {message['seq']}\n\n".encode()
+        if kind == "done":
+            before = await self._text(events.view.rid, upto=events.seq_after)
+            return events.closing(message, before)
+        if kind == "error":  # the follow failed (a refusal): OpenAI's error event ends it
+            fields = {"code": message["code"], "message": message["message"], "param": None}
+            return event("error", events.last + 1, **fields)
+        return b""
+
+    async def _whole(
+        self, peer: HttpPeer, view: ResponseView, headers: list[tuple[str, str]]
+    ) -> HttpResponse:
+        """Wait for the turn's ``done`` (through pauses: a paused turn may be resumed)."""
+        text: list[str] = []
+        while True:
+            for message in await peer.messages(KEEPALIVE_S):
+                if message["type"] == "delta":
+                    text.append(message["text"])
+                elif message["type"] == "done" and message["finish_reason"] == "error":
+                    raise turn_error(message)
+                elif message["type"] == "done":
+                    body = view.body("completed", "".join(text), message)
+                    return HttpResponse.json(200, body, headers)
+
+    # --- reads ------------------------------------------------------------------------
+
+    async def _info(self, rid: ResponseId) -> SessionInfo:
+        """The session, if the id's token opens it and it has the turn (else 404)."""
+        try:
+            info = await self.frontend.store.info(rid.session, rid.token)
+        except SessionNotFound:
+            raise not_found() from None
+        if rid.turn > info.turn:
+            raise not_found()
+        return info
+
+    async def _latest(self, previous: ResponseId) -> None:
+        """``previous_response_id`` continues a session: it must be its latest turn."""
+        info = await self._info(previous)
+        if previous.turn != info.turn:
+            raise bad_request(
+                "previous_response_id must be the latest response of its conversation "
+                "(a wsinfer session goes on from its last turn; it does not branch)",
+                "previous_response_id",
+            )
+
+    async def _view(self, rid: ResponseId, info: SessionInfo) -> ResponseView:
+        """The response's fixed fields, from the turn's record in Redis."""
+        created, turn_input = await self.frontend.store.turn_record(rid.session, rid.turn)
+        params = turn_input.params if turn_input else GenerationParams()
+        messages = (turn_input.messages if turn_input else None) or []
+        leading = messages[0] if messages else {}
+        instructions = leading["content"] if leading.get("role") == "system" else None
+        # Only the latest turn may be a running background one; earlier ones: not known.
+        background = info.meta.seen_at > time.time() if rid.turn == info.turn else None
+        model = self.frontend.config.model_name
+        created = created or int(time.time())  # a turn started before this was recorded
+        return ResponseView(rid, model, created, params, instructions, background)
+
+    async def _snapshot(self, rid: ResponseId, info: SessionInfo) -> dict[str, Any]:
+        """The response object as of now, from the turn's events in Redis."""
+        view = await self._view(rid, info)
+        events, _ = await self.frontend.store.read_turn(rid.session, rid.turn)
+        text = "".join(e.text for e in events if isinstance(e, DeltaEvent))
+        done = next((e for e in reversed(events) if isinstance(e, DoneEvent)), None)
+        if done is not None:
+            return view.body("completed", text, done_message(rid.session, rid.turn, done))
+        status = live_status(info.status) if rid.turn == info.turn else "in_progress"
+        return view.body(status, text if events else None)
+
+    async def _text(self, rid: ResponseId, upto: int) -> str:
+        """The text of the turn's deltas up to seq ``upto``: what a resumed reader had."""
+        if upto <= 0:
+            return ""
+        events, _ = await self.frontend.store.read_turn(rid.session, rid.turn)
+        return "".join(e.text for e in events if isinstance(e, DeltaEvent) and e.seq <= upto)
+
+
+def _headers(rid: ResponseId) -> list[tuple[str, str]]:
+    """The session and turn, as every completion's answer names them (the token
+    travels in the response id)."""
+    return [(SESSION_HEADER, rid.session), (TURN_HEADER, str(rid.turn))]
+
+
+def _starting_after(raw: str | None) -> int:
+    """-1 (every event) when absent; else a sequence number we could have sent."""
+    if raw is None or raw == "":
+        return -1
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
+        raise bad_request("starting_after must be a non-negative integer", "starting_after")
+    return int(raw)
