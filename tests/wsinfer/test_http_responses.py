@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.stack import Client, joined, start_serve, stop_serve
+from tests.stack import Client, Stack, joined, start_serve, stop_serve
 from wsinfer.http.openai import OpenAIError
 from wsinfer.http.responses import (
     HEAD,
@@ -167,6 +167,30 @@ async def test_resume_starting_after_a_cut_is_exactly_once(
     assert deltas(first) + deltas(rest) == whole == rest[-4].text
     assert rest[-1].response.output_text == whole
     assert rest[-1].response.created_at == first[0]["response"]["created_at"]
+
+
+@pytest.mark.slow
+async def test_a_stream_cut_on_one_frontend_resumes_on_another(redis_url: str) -> None:
+    """Nothing of a response lives in a frontend: the second, which never saw
+    it, resumes it exactly from the sequence number the first one sent last."""
+    stack = Stack(redis_url, f"fake:{RATE}")
+    try:
+        stack.start_engine("engine-1")
+        ports = [stack.start_frontend()[1] for _ in range(2)]
+        one = f"http://127.0.0.1:{ports[0]}"
+        body = {"model": "wsinfer", "input": "story", "max_output_tokens": 150, "stream": True}
+        async with httpx.AsyncClient(base_url=one, timeout=60) as http:
+            first = await cut_stream(http, body, keep=9)
+        other = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{ports[1]}/v1", api_key="unused")
+        rid = first[0]["response"]["id"]
+        stream = await other.responses.retrieve(rid, stream=True, starting_after=numbers(first)[-1])
+        rest = [e async for e in stream]
+        seen = numbers(first) + numbers(rest)
+        assert seen == sorted(set(seen)) and rest[-1].type == "response.incomplete"
+        assert deltas(first) + deltas(rest) == rest[-1].response.output_text
+        assert len(rest[-1].response.output_text.split()) == 150
+    finally:
+        stack.stop()
 
 
 @pytest.mark.slow
