@@ -378,3 +378,16 @@ def test_bench_llamacpp_table_compares_the_best_rounds() -> None:
     }
     (row,) = data_rows(bench.table(results, [8]))
     assert row == ["8", "90.0", "60 ms", "135.0", "250 ms", "1.50x", "1024 / 1000"]
+
+
+@pytest.mark.slow
+def test_bench_responses_compares_the_responses_stream_with_chat(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    load_script("bench_responses").main(["--runs", "1", "--tokens", "8"])
+    rows = data_rows(capsys.readouterr().out.splitlines())
+    assert [row[0] for row in rows] == [
+        "a streamed turn, to its end",
+        "the ended turn read back whole",
+    ]
+    assert all(row[1].endswith(" ms") and row[3].endswith("x") for row in rows)

@@ -337,10 +337,10 @@ class ResponseEvents:
         return self._numbered(0, events)
 
     def delta(self, seq: int, text: str) -> bytes:
-        self.text.append(text)
         number = HEAD + seq
         if number <= self.after:  # the resume's replay starts after it: never the case
             return b""
+        self.text.append(text)
         self.last = number
         item = {"item_id": self.view.rid.item_id, "output_index": 0, "content_index": 0}
         return event("response.output_text.delta", number, **item, delta=text, logprobs=[])
