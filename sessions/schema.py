@@ -182,7 +182,9 @@ class SessionMeta:
 
     The attribute names are the hash's field names, the ones the Lua scripts
     read and write (a test holds the scripts to this list). Fields this
-    version does not know (written by a newer one) are ignored.
+    version does not know (written by a newer one) are ignored, and so are
+    the per-turn fields ``idem:<key hash>`` (the turn an idempotency key
+    started) and ``created:<turn>`` (when a turn started), read by name.
     """
 
     token: str = ""  # sha256 of the owner's token
