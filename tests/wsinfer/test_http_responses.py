@@ -282,6 +282,13 @@ async def test_previous_response_id_continues_the_session(sdk: openai.AsyncOpenA
         await sdk.responses.create(
             model="wsinfer", input="x", previous_response_id=f"resp_{one.session}_2_wrong"
         )
+    running = await sdk.responses.create(
+        model="wsinfer", input="x", max_output_tokens=2000, background=True,
+        previous_response_id=second.id,
+    )  # fmt: skip
+    with pytest.raises(openai.ConflictError):  # one turn at a time per session
+        await sdk.responses.create(model="wsinfer", input="y", previous_response_id=running.id)
+    await sdk.responses.cancel(running.id)
 
 
 @pytest.mark.slow
