@@ -343,12 +343,18 @@ async def test_completions_whole_streamed_and_continued(
     )  # fmt: skip
     assert more.id == f"cmpl-{session}-2" and more.usage is not None
     assert more.usage.prompt_tokens > whole.usage.prompt_tokens  # the text went on
-    # Its resume speaks text_completion too, with the turn's one `created`.
-    resumed = await http.get(
-        f"/v1/sessions/{session}/stream", params={"turn": 1}, headers={"X-Wsinfer-Token": token}
-    )
-    first = json.loads(resumed.text.split("data: ", 2)[1].split("\n")[0])
-    assert first["object"] == "text_completion" and first["created"] == whole.created
+    # Its resume speaks text_completion when asked, with the turn's one `created`;
+    # unasked, chat chunks, as for every session (what resuming clients parse).
+    auth = {"X-Wsinfer-Token": token}
+    for wanted, shape in [("text_completion", "text"), ("", "delta")]:
+        resumed = await http.get(
+            f"/v1/sessions/{session}/stream", params={"turn": 1, "object": wanted}, headers=auth
+        )
+        first = json.loads(resumed.text.split("data: ", 2)[1].split("\n")[0])
+        assert first["object"] == (wanted or "chat.completion.chunk"), first
+        assert shape in first["choices"][0] and first["created"] == whole.created
+    bad = await http.get(f"/v1/sessions/{session}/stream?object=x", headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "object"
 
 
 @pytest.mark.slow

@@ -303,8 +303,7 @@ class HttpApp:
             self.close_peer(peer)
             raise
         model, created = self.frontend.config.model_name, await self.created(session, turn)
-        kind = TextCompletion if info.meta.mode == "text" else Completion  # a raw-text session
-        completion = kind(session, turn, model, created)
+        completion = _chunk_kind(request.query.get("object"))(session, turn, model, created)
         include_usage = request.query.get("include_usage", "").lower() in ("1", "true")
         return self._sse_response(peer, completion, _turn_headers(completion), include_usage, after)
 
@@ -385,6 +384,24 @@ def _session_token(request: HttpRequest) -> str:
     if not token:
         raise bad_request(f"the {TOKEN_HEADER} header (or ?session_token=) is required")
     return token
+
+
+# The chunks a session's stream can speak: chat chunks unless a text completion's
+# client asks for its own (any session's turns read either way).
+_CHUNK_KINDS: dict[str, type[Completion]] = {
+    "chat.completion.chunk": Completion,
+    "text_completion": TextCompletion,
+}
+
+
+def _chunk_kind(wanted: str | None) -> type[Completion]:
+    if wanted is None or wanted == "":
+        return Completion
+    kind = _CHUNK_KINDS.get(wanted)
+    if kind is None:
+        choices = " or ".join(_CHUNK_KINDS)
+        raise bad_request(f"object must be {choices}, not {shorten(wanted)!r}", "object")
+    return kind
 
 
 def _non_negative(value: str | None, name: str) -> int:
