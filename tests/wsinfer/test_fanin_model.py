@@ -213,8 +213,10 @@ class FanInMachine(RuleBasedStateMachine):
         where=st.sampled_from(WHERE),
         pick=st.integers(0, 1000),
     )
-    def subscribe(self, owner: str, stream: str, where: str, pick: int) -> None:
-        position = self._position(stream, where, pick)
+    def subscribe(
+        self, owner: str, stream: str, where: str, pick: int, position: str | None = None
+    ) -> None:
+        position = position or self._position(stream, where, pick)
         self._stop_following(owner)
         history = History(stream, position)
         self.histories.append(history)
@@ -222,6 +224,20 @@ class FanInMachine(RuleBasedStateMachine):
         self.paused.discard(owner)
         self.fan.subscribe(stream, owner, position, self._deliver_to(history))
         EXPLORED[self.kind].steps += 1
+
+    @rule(owner=st.sampled_from(OWNERS), pick=st.integers(0, 1000))
+    def join_behind(self, owner: str, pick: int) -> None:
+        """A second follower of a stream joins behind one that follows it already (the
+        reconnect the issue saw lose deltas): more often than chance would have it."""
+        ahead = [h for o, h in self.current.items() if o != owner and self._reached(h) > 0]
+        if not ahead:
+            return
+        leader = ahead[pick % len(ahead)]
+        self.subscribe(owner, leader.stream, "at", 0, position=f"{pick % self._reached(leader)}-0")
+
+    def _reached(self, history: History) -> int:
+        """The entry a follower has reached: the last handed to it, or where it started."""
+        return history.received[-1] if history.received else _id_key(history.start)[0]
 
     def _position(self, stream: str, where: str, pick: int) -> str:
         size = len(self.log[stream])
