@@ -36,6 +36,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
     *,
     max_len: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each row's newest query over its first ``seq_lens[b]`` cached tokens.
 
@@ -45,15 +46,17 @@ def decode_attention(
     ``out``: an optional ``[B, Hq, D]`` tensor to write into (and return).
     ``max_len``: a host-side bound on ``seq_lens`` for the torch path on CUDA (without
     Triton), which cannot read ``seq_lens`` without a sync; the CPU reads them itself.
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax
+    (Gemma 2); the torch path computes them, on every device.
     Returns ``[B, Hq, D]`` in q's dtype.
     """
     check_shapes(q, k_cache, v_cache, block_tables, seq_lens, out)
-    if q.is_cuda and triton_available():
+    if q.is_cuda and triton_available() and softcap is None:
         from wsinfer.engine.attention_triton import decode_attention_triton
 
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
     return decode_attention_torch(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, out, max_len=max_len
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, max_len=max_len, softcap=softcap
     )
 
 
@@ -102,13 +105,15 @@ def decode_attention_torch(
     out: torch.Tensor | None = None,
     *,
     max_len: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Gather the rows' blocks, then one SDPA call with a length mask.
 
     A kv head's query heads go in as that head's query *positions* ([B, Hkv, G, D]), so
     GQA needs no repeated keys; the gathered keys are read through a strided view. When
     every row has the same length (batch 1 always) there is nothing to mask: on one
-    thread that halves the SDPA's time and skips the mask's own ops.
+    thread that halves the SDPA's time and skips the mask's own ops. SDPA cannot
+    soft-cap scores: with ``softcap`` the scores are computed explicitly.
     """
     batch, q_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -119,7 +124,10 @@ def decode_attention_torch(
         shortest, longest = (int(x) for x in torch.aminmax(seq_lens))
         max_len, uniform = min(longest, capacity), shortest == longest
     query = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
-    if uniform:
+    if softcap is not None:
+        keys, values, valid = gather_rows(k_cache, v_cache, block_tables, seq_lens, max_len)
+        result = masked_attention(query, keys, values, valid, seq_lens, scale, softcap)
+    elif uniform:
         result = uniform_attention(query, k_cache, v_cache, block_tables, max_len, scale)
     else:
         result = ragged_attention(query, k_cache, v_cache, block_tables, seq_lens, max_len, scale)
@@ -184,11 +192,14 @@ def masked_attention(
     valid: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention that never lets a masked slot's content through, NaN included."""
     compute = query.dtype if query.dtype == torch.float64 else torch.float32
     values = values.masked_fill(~valid[:, :, None, None], 0.0).to(compute)
     scores = torch.einsum("bhgd,blhd->bhgl", query.to(compute), keys.to(compute)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores.masked_fill_(~valid[:, None, None, :], -math.inf)
     probs = torch.softmax(scores, dim=-1)
     probs.masked_fill_((seq_lens == 0)[:, None, None, None], 0.0)  # all -inf gave NaN

@@ -7,19 +7,22 @@ attention is delegated to a context object that owns the KV layout (the paged
 pool) and knows which token belongs to which row.
 
 Supported: the families of ``families.py`` (Llama, SmolLM2, Mistral, Qwen2/3,
-OLMo-2, Phi-3). Weights are shared with the transformers model, not copied: q/k/v
+OLMo-2, Phi-3, Gemma 2/3). Weights are shared with the transformers model, not copied: q/k/v
 and gate/up are fused into one matrix each and the model's own parameters are
 re-pointed at views of the fused ones.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from .families import FAMILIES, Family, UnsupportedModel, family_of
+from .families import FAMILIES, Family, UnsupportedModel, activation_of, family_of
 
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 __all__ = ["FastLlama", "SUPPORTED_MODEL_TYPES", "UnsupportedModel", "fast_model_for"]
@@ -111,30 +114,21 @@ class LayerWeights:
         _share(mlp.down_proj, self.down.part(0, self.down.weight.shape[1 if transposed else 0]))
         self.eps = eps
         self.family = family
-        # Pre-norm families norm the inputs of attention and MLP; OLMo-2 their outputs.
-        self.norm_in = _norm_weight(layer, "input_layernorm")
-        self.norm_post = _norm_weight(layer, "post_attention_layernorm")
-        self.norm_mlp_out = _norm_weight(layer, "post_feedforward_layernorm")
-        self.q_norm = _norm_weight(attn, "q_norm")
-        self.k_norm = _norm_weight(attn, "k_norm")
+        # The norm of attention's input and output, and of the MLP's (None: not normed).
+        self.norm_attn_in, self.norm_attn_out, self.norm_mlp_in, self.norm_mlp_out = (
+            _norm_weight(layer, name, family) if name else None
+            for name in _NORM_SLOTS[family.norms]
+        )
+        self.q_norm = _norm_weight(attn, "q_norm", family)
+        self.k_norm = _norm_weight(attn, "k_norm", family)
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        if weight is None:
+            return x
         return rms_norm(x, weight, self.eps, self.family.norm_scale_fp32)
 
-    def attention_input(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.family.post_norms else rms_norm(x, self.norm_in, self.eps)
-
-    def attention_output(self, out: torch.Tensor) -> torch.Tensor:
-        return self.norm(out, self.norm_post) if self.family.post_norms else out
-
-    def mlp_input(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.family.post_norms else rms_norm(x, self.norm_post, self.eps)
-
-    def mlp_output(self, out: torch.Tensor) -> torch.Tensor:
-        return self.norm(out, self.norm_mlp_out) if self.family.post_norms else out
-
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [N, Hq, D] and k [N, Hkv, D], normed as the family does (Qwen3, OLMo-2)."""
+        """q [N, Hq, D] and k [N, Hkv, D], normed as the family does (Qwen3, OLMo-2, Gemma 3)."""
         if self.family.qk_norm == "head":
             return self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         if self.family.qk_norm == "all":
@@ -143,16 +137,35 @@ class LayerWeights:
         return q, k
 
 
-def _norm_weight(module: Any, name: str) -> torch.Tensor:
+# The layer's norms on attention's input and output, then the MLP's: Llama norms
+# the inputs, OLMo-2 the outputs, Gemma both.
+_NORM_SLOTS: dict[str, tuple[str | None, ...]] = {
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+    "sandwich": (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+}
+
+
+def _norm_weight(module: Any, name: str, family: Family) -> torch.Tensor | None:
+    """The scale of ``module``'s norm ``name`` as ``rms_norm`` applies it (Gemma's
+    ``1 + weight``, in float32 as Gemma computes it); None if it has none."""
     norm = getattr(module, name, None)
-    return norm.weight.detach() if norm is not None else torch.empty(0)
+    if norm is None:
+        return None
+    weight = norm.weight.detach()
+    return 1.0 + weight.float() if family.norm_offset else weight
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, scale_fp32: bool = False
 ) -> torch.Tensor:
     # As transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype
-    # (OLMo-2's scales in float32, then casts).
+    # (OLMo-2's and Gemma's scale in float32, then cast).
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if scale_fp32:
@@ -189,60 +202,104 @@ class FastLlama:
             getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         )
         self.vocab_size = int(config.vocab_size)
-        self.scale = self.head_dim**-0.5
+        # Gemma scales by query_pre_attn_scalar, which need not be the head size.
+        self.scale = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        # Gemma 2 soft-caps attention scores and logits: cap * tanh(x / cap).
+        self.attn_softcap = _optional_float(config, "attn_logit_softcapping")
+        self.logit_softcap = _optional_float(config, "final_logit_softcapping")
+        self.activation = _ACTIVATIONS[activation_of(config)]
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach()
         self.dtype = self.embed.dtype
         self.device = self.embed.device
+        # As Gemma's ScaledWordEmbedding: sqrt(hidden), rounded to the model's dtype.
+        self.embed_scale = (
+            torch.tensor(float(config.hidden_size) ** 0.5).to(self.device, self.dtype)
+            if self.family.embed_scale
+            else None
+        )
         eps = float(config.rms_norm_eps)
         self.layers = [LayerWeights(layer, eps, transposed, self.family) for layer in inner.layers]
-        self.norm = inner.norm.weight.detach()
+        norm = _norm_weight(inner, "norm", self.family)
+        assert norm is not None, "a decoder without a final norm"
+        self.norm = norm
         self.eps = eps
         self.lm_head = Linear(_weight(model.lm_head), None, transposed)
-        self.cos, self.sin = _rope_tables(inner.rotary_emb, max_positions, self.dtype, self.device)
+        # One rotary table per layer type (Gemma 3's sliding layers have their own base).
+        self.rope_of_layer, self.tables = _rope_tables(
+            inner, config, max_positions, self.dtype, self.device
+        )
+        self.cos, self.sin = self.tables[0]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionContext
     ) -> torch.Tensor:
         """Final hidden states [N, hidden] of the flattened tokens."""
         x = F.embedding(input_ids, self.embed)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        ropes = [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in self.tables]
         n = input_ids.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
-            h = layer.attention_input(x)
+            cos, sin = ropes[self.rope_of_layer[i]]
+            h = layer.norm(x, layer.norm_attn_in)
             q, k, v = layer.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(n, self.num_heads, self.head_dim)
             k = k.view(n, self.num_kv_heads, self.head_dim)
             q, k = layer.qk_norm(q, k)
             q, k = rotary(q, cos, sin), rotary(k, cos, sin)
             out = attention(i, q, k, v.view(n, self.num_kv_heads, self.head_dim))
-            x = x + layer.attention_output(layer.o(out.reshape(n, q_size)))
-            h = layer.mlp_input(x)
+            x = x + layer.norm(layer.o(out.reshape(n, q_size)), layer.norm_attn_out)
+            h = layer.norm(x, layer.norm_mlp_in)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.mlp_output(layer.down(F.silu(gate) * up))
+            x = x + layer.norm(layer.down(self.activation(gate) * up), layer.norm_mlp_out)
         return rms_norm(x, self.norm, self.eps, self.family.norm_scale_fp32)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     def kv_bytes_per_token(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+
+
+def _optional_float(config: Any, name: str) -> float | None:
+    value = getattr(config, name, None)
+    return float(value) if value else None
+
+
 def _rope_tables(
-    rotary: Any, max_positions: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_positions, head_dim] from the model's own rotary module (rope scaling
+    inner: Any, config: Any, max_positions: int, dtype: torch.dtype, device: torch.device
+) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each layer's index into the rotary tables, and the tables: cos/sin
+    [max_positions, head_dim] from the model's own rotary module (rope scaling
     included), in the model's dtype as transformers applies them."""
     positions = torch.arange(max_positions, device=device).unsqueeze(0)
     probe = torch.empty((), dtype=dtype, device=device)
+    rotary = inner.rotary_emb
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    kinds = sorted(set(layer_types)) if per_type and layer_types else [None]
+    tables = []
     with torch.inference_mode():
-        cos, sin = rotary(probe, positions)
-    return cos[0].contiguous(), sin[0].contiguous()
+        for kind in kinds:
+            cos, sin = rotary(probe, positions, kind) if kind else rotary(probe, positions)
+            tables.append((cos[0].contiguous(), sin[0].contiguous()))
+    num_layers = int(config.num_hidden_layers)
+    if kinds == [None]:
+        return [0] * num_layers, tables
+    return [kinds.index(t) for t in layer_types[:num_layers]], tables
 
 
 def fast_model_for(loaded_model: Any, max_positions: int, transposed: bool) -> FastLlama:

@@ -23,6 +23,7 @@ from .resolve import (
     DEFAULT_GGUF_FILE,
     DEFAULT_GGUF_PACKAGE,
     ModelLoadError,
+    attention_implementation,
     default_gguf_path,
     resolve_spec,
 )
@@ -79,12 +80,13 @@ def load_model(
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     # device_map puts weights straight on the device ("auto": spread by accelerate);
-    # sdpa because the engine hands the model ready-made boolean masks.
+    # sdpa because the eager core hands the model ready-made boolean masks (a model
+    # without it is one of the fast core's families: resolve checked).
     model = AutoModelForCausalLM.from_pretrained(
         str(directory),
         dtype=torch_dtype,
         device_map=device if device == "auto" else str(torch.device(device)),
-        attn_implementation="sdpa",
+        attn_implementation=attention_implementation(directory),
         local_files_only=True,
     )
     model.eval()

