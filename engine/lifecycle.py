@@ -165,9 +165,10 @@ class CoreBase:
     def _new_sequence(self, request: EngineRequest) -> Any:
         params = request.params
         detok = IncrementalDetokenizer(self.loaded.tokenizer, request.prompt_ids, params.stop)
+        ends = self._ends(params)
         for token in request.generated_ids:
             # Rebuild the detokenizer: its text up to here was already published.
-            if token not in self.eos:
+            if token not in ends:
                 detok.add(token)
         seed = params.seed if params.seed is not None else fresh_seed()
         tokens = list(request.prompt_ids) + list(request.generated_ids)
@@ -176,7 +177,7 @@ class CoreBase:
     def _already_done(self, seq: Sequence) -> FinishReason | None:
         """A rebuilt turn that had in fact ended (the caller missed its end)."""
         generated = seq.request.generated_ids
-        if seq.detok.stopped or (generated and generated[-1] in self.eos):
+        if seq.detok.stopped or (generated and generated[-1] in self._ends(seq.request.params)):
             return "stop"
         if seq.num_generated >= seq.request.params.max_new_tokens:
             return "length"
@@ -190,7 +191,7 @@ class CoreBase:
         if seq.seen is not None and token < seq.seen.shape[0]:
             seq.seen[token] = True
         reason: FinishReason | None = None
-        if token in self.eos:
+        if token in self._ends(seq.request.params):
             reason, text = "stop", seq.detok.flush()
         else:
             text = seq.detok.add(token)
@@ -201,6 +202,10 @@ class CoreBase:
         if reason is not None:
             return self._final_output(seq, reason, [token], text)
         return RequestOutput(seq.id, [token], text, seq.num_generated)
+
+    def _ends(self, params: GenerationParams) -> frozenset[int]:
+        """The tokens that end a turn: the model's end-of-sequence tokens, unless ignored."""
+        return frozenset() if params.ignore_eos else self.eos
 
     def _out_of_room(self, seq: Sequence) -> bool:
         max_new = seq.request.params.max_new_tokens

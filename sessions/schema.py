@@ -52,6 +52,9 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # The end-of-sequence token does not end the turn (it is sampled and passed on as
+    # any token): every turn runs to max_new_tokens, as benchmark clients want.
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +77,8 @@ class GenerationParams:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["stop"] = list(self.stop)
+        if not self.ignore_eos:  # an engine from before the field reads the rest as ever
+            del out["ignore_eos"]
         return out
 
     @classmethod
@@ -102,6 +107,15 @@ def _float_in(lo: float, hi: float, name: str, *, open_low: bool = False) -> Any
             bracket = "(" if open_low else "["
             raise ParamsError(f"{name} must be in {bracket}{lo}, {hi}]")
         return number
+
+    return check
+
+
+def _flag(name: str) -> Any:
+    def check(value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ParamsError(f"{name} must be true or false")
+        return value
 
     return check
 
@@ -141,6 +155,7 @@ _PARAM_CHECKS: dict[str, Any] = {
     "repetition_penalty": _float_in(MIN_REPETITION_PENALTY, 10.0, "repetition_penalty"),
     "seed": _seed,
     "stop": _stop,
+    "ignore_eos": _flag("ignore_eos"),
 }
 
 

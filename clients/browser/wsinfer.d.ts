@@ -37,6 +37,8 @@ export interface GenerateParams {
   repetition_penalty?: number;
   seed?: number;
   stop?: string[];
+  /** The end-of-sequence token does not end the turn: it runs to max_new_tokens. */
+  ignore_eos?: boolean;
 }
 
 /** Either `messages` (chat) or `prompt` (raw text) starts a turn. */

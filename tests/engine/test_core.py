@@ -127,6 +127,25 @@ def test_eos_stops_and_is_not_emitted(tiny: LoadedModel) -> None:
     assert text_of(outs) == tiny.tokenizer.decode(expected[:cut], skip_special_tokens=True)
 
 
+def test_ignore_eos_runs_past_the_end_of_sequence_to_the_length_limit(
+    tiny: LoadedModel,
+) -> None:
+    ids = prompt(tiny.tokenizer, "Once upon a time")
+    expected = reference_greedy(tiny, ids, 8)
+    loaded = dataclasses.replace(tiny, eos_token_ids={expected[4]})
+    params = dataclasses.replace(GREEDY, max_new_tokens=8, ignore_eos=True)
+    core = EngineCore(loaded)
+    core.add(request("a", ids, params))
+    outs = run_all(core)["a"]
+    assert tokens_of(outs) == expected and outs[-1].finish_reason == "length"
+    assert text_of(outs) == tiny.tokenizer.decode(expected, skip_special_tokens=True)
+    # A takeover from the token log (the end-of-sequence token in it) goes on the same.
+    taken = EngineCore(loaded)
+    taken.add(request("b", ids, params, generated_ids=expected[:6]))
+    rest = run_all(taken)["b"]
+    assert tokens_of(rest) == expected[6:] and rest[-1].finish_reason == "length"
+
+
 def test_stop_string(tiny: LoadedModel) -> None:
     ids = prompt(tiny.tokenizer, "Once upon a time")
     free = EngineCore(tiny)

@@ -113,6 +113,17 @@ async def test_openai_sdk_against_the_real_model(tmp_path: Path) -> None:
         assert second.id == f"chatcmpl-{session}-2"
         details = second.usage.prompt_tokens_details if second.usage else None
         assert details is not None and (details.cached_tokens or 0) > 0
+        # vLLM's ignore_eos (what benchmark clients send): the answer that ended after a
+        # few tokens above runs on to max_tokens.
+        assert answer.usage.completion_tokens < 32
+        forced = await client.chat.completions.create(
+            model="wsinfer", messages=question, temperature=0, max_tokens=32,  # type: ignore[arg-type]
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert forced.choices[0].finish_reason == "length"
+        assert forced.usage is not None and forced.usage.completion_tokens == 32
+        first_answer = answer.choices[0].message.content or ""
+        assert (forced.choices[0].message.content or "").startswith(first_answer)
     finally:
         assert stop_serve(process) == 0
 

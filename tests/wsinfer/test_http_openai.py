@@ -34,6 +34,11 @@ def test_openai_names_become_generate_params() -> None:
     assert (params.seed, params.stop) == (3, ("\n",))
     assert chat.stream and chat.include_usage
     assert parse(max_completion_tokens=9).generate.params.max_new_tokens == 9
+    # vLLM's extensions, which benchmark clients send.
+    extended = parse(top_k=5, repetition_penalty=1.2, ignore_eos=True).generate.params
+    assert (extended.top_k, extended.repetition_penalty, extended.ignore_eos) == (5, 1.2, True)
+    with pytest.raises(OpenAIError, match="ignore_eos must be true or false"):
+        parse(ignore_eos="yes")
 
 
 def test_messages_text_parts_and_developer_role() -> None:

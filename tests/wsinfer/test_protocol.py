@@ -19,6 +19,7 @@ from wsinfer.sessions.schema import (
     DeltaEvent,
     DoneEvent,
     GenerationParams,
+    ParamsError,
     PausedEvent,
     TurnError,
     Usage,
@@ -47,6 +48,14 @@ def test_generate_is_parsed_with_params() -> None:
     )
     assert isinstance(msg, Generate)
     assert msg.id == 7 and msg.params.greedy and msg.params.stop == ("\n",)
+    assert not msg.params.ignore_eos and "ignore_eos" not in msg.params.to_dict()
+
+
+def test_ignore_eos_is_a_boolean_param_that_round_trips() -> None:
+    params = GenerationParams.parse({"ignore_eos": True, "max_new_tokens": 9})
+    assert params.ignore_eos and GenerationParams.from_dict(params.to_dict()) == params
+    with pytest.raises(ParamsError, match="ignore_eos must be true or false"):
+        GenerationParams.parse({"ignore_eos": 1})
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,8 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
 }
-# OpenAI name -> wsinfer params name; top_k and repetition_penalty are extensions (as in vLLM).
+# OpenAI name -> wsinfer params name; top_k, repetition_penalty and ignore_eos are
+# extensions (as in vLLM, whose benchmark clients send ignore_eos).
 PARAMS = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -56,6 +57,7 @@ PARAMS = {
     "stop": "stop",
     "top_k": "top_k",
     "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
