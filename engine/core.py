@@ -83,7 +83,7 @@ class EngineCore(CoreBase):
         self.rows = DecodeRows(cfg.max_batch_size, max_blocks, cfg.block_size)
         self.runner = ModelRunner(
             self.model, self.pool, cfg.max_batch_size, max_blocks, cfg.max_batch_size,
-            cfg.graph_batch_sizes,
+            cfg.graph_batch_sizes, sorted(loaded.eos_token_ids),
         )  # fmt: skip
         self.async_steps = on_cuda if cfg.async_steps is None else cfg.async_steps
         self._waiting: deque[_Seq] = deque()

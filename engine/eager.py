@@ -49,6 +49,8 @@ class EagerEngineCore(CoreBase):
         self.num_layers = int(text_config.num_hidden_layers)
         self.vocab_size = int(text_config.vocab_size)
         self.dtype = next(self.model.parameters()).dtype
+        # The end-of-sequence ids, which a row's min_tokens keeps from being drawn.
+        self.ends = to_device(sorted(self.eos), self.device)
         offload = torch.device("cpu") if self.config.kv_offload_cpu else None
         self.store = KVStore(self.config.kv_cache_bytes, offload)
         self._waiting: deque[_Sequence] = deque()
@@ -201,7 +203,7 @@ class EagerEngineCore(CoreBase):
         if any(s.seen is not None for s in seqs):
             blank = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             seen = torch.stack([s.seen if s.seen is not None else blank for s in seqs])
-        return sample(logits, rows, seen)
+        return sample(logits, rows, seen, self.ends)
 
     def _join_batch(self, seq: _Sequence) -> None:
         assert seq.group is not None

@@ -196,6 +196,7 @@ class ModelRunner:
         max_blocks: int,
         max_prefill_rows: int,
         batch_sizes: tuple[int, ...],
+        ends: list[int] | None = None,
     ) -> None:
         self.model, self.pool = model, pool
         self.device = model.device
@@ -205,7 +206,9 @@ class ModelRunner:
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
         self.step_ints = torch.zeros(5, max_rows, dtype=torch.long, device=device)
         self.floats = torch.zeros(3, max_rows, dtype=torch.float32, device=device)
-        self.ints = torch.zeros(2, max_rows, dtype=torch.long, device=device)
+        self.ints = torch.zeros(3, max_rows, dtype=torch.long, device=device)
+        # The end-of-sequence ids, which a row's min_tokens keeps from being drawn.
+        self.ends = torch.tensor(sorted(ends or []), dtype=torch.long, device=device)
         # Sampled tokens: decode rows first, then prefill completions.
         self.last_tokens = torch.zeros(max_rows + max_prefill_rows, dtype=torch.long, device=device)
         self.seen = torch.zeros(max_rows, model.vocab_size, dtype=torch.bool, device=device)
@@ -283,10 +286,10 @@ class ModelRunner:
         hidden = self.model.forward(ids, ints[_POS], context)
         params = SamplingTensors(
             self.floats[0, :b], self.ints[0, :b], self.floats[1, :b], self.floats[2, :b],
-            self.ints[1, :b], ints[_INDEX],
+            self.ints[1, :b], ints[_INDEX], self.ints[2, :b],
         )  # fmt: skip
         seen = None if variant is Variant.GREEDY else self.seen[:b]
-        tokens = sample_tokens(self.model.logits(hidden), params, variant, seen)
+        tokens = sample_tokens(self.model.logits(hidden), params, variant, seen, self.ends)
         if seen is not None:
             seen.scatter_(1, tokens.unsqueeze(1), True)
         self.last_tokens[:b].copy_(tokens)
@@ -322,7 +325,8 @@ class ModelRunner:
             for i, piece in enumerate(pieces[: len(complete)]):
                 seen[i, torch.tensor(piece.tokens)] = True
             seen = upload(seen, self.device)
-        tokens = sample_tokens(logits, tensors_for(complete, self.device), variant_of(params), seen)
+        tensors = tensors_for(complete, self.device)
+        tokens = sample_tokens(logits, tensors, variant_of(params), seen, self.ends)
         self.last_tokens[self.max_rows : self.max_rows + len(complete)].copy_(tokens)
 
     # --- CUDA graphs ----------------------------------------------------------------
@@ -401,7 +405,7 @@ class _Staging:
         self.step_ints_t = host((5, max_rows), torch.long)
         self.tables_t = host((max_rows, max_blocks), torch.int32)
         self.floats_t = host((3, max_rows), torch.float32)
-        self.ints_t = host((2, max_rows), torch.long)
+        self.ints_t = host((3, max_rows), torch.long)
         self.step_ints = self.step_ints_t.numpy()
         self.tables = self.tables_t.numpy()
         self.floats = self.floats_t.numpy()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -120,9 +121,22 @@ class SamplingTensors:
     penalty: torch.Tensor  # float32 [B]; 1 = off
     seed: torch.Tensor  # int64 [B]
     index: torch.Tensor  # int64 [B]: which token of the turn the draw produces
+    # int64 [B]: no end-of-sequence token is drawn while index < min_tokens (None: 0)
+    min_tokens: torch.Tensor | None = None
 
     def rows(self, n: int) -> SamplingTensors:
-        return SamplingTensors(*(t[:n] for t in self.__dict__.values()))
+        return self._map(lambda t: t[:n])
+
+    def to(self, device: torch.device) -> SamplingTensors:
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingTensors:
+        """Each tensor through ``fn`` (an absent ``min_tokens`` stays absent)."""
+        min_tokens = None if self.min_tokens is None else fn(self.min_tokens)
+        return SamplingTensors(
+            fn(self.temperature), fn(self.top_k), fn(self.top_p), fn(self.penalty),
+            fn(self.seed), fn(self.index), min_tokens,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,7 @@ def row_values(params: GenerationParams, seed: int, index: int) -> tuple[Any, ..
         params.repetition_penalty,
         _signed(seed & _MASK64),
         index,
+        params.min_tokens,
     )
 
 
@@ -169,13 +184,15 @@ def sample(
     logits: torch.Tensor,
     rows: list[RowSampling],
     seen: torch.Tensor | None = None,
+    ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next token per row of ``logits`` [B, V]; stays on the device (no sync).
 
-    ``seen`` [B, V] bool marks each row's context tokens, for repetition_penalty.
+    ``seen`` [B, V] bool marks each row's context tokens, for repetition_penalty;
+    ``ends`` the end-of-sequence ids that ``min_tokens`` holds back.
     """
     variant = variant_of([r.params for r in rows])
-    return sample_tokens(logits, tensors_for(rows, logits.device), variant, seen)
+    return sample_tokens(logits, tensors_for(rows, logits.device), variant, seen, ends)
 
 
 def sample_tokens(
@@ -183,12 +200,17 @@ def sample_tokens(
     params: SamplingTensors,
     variant: Variant,
     seen: torch.Tensor | None = None,
+    ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The sampling program for ``variant``: fixed kernels, capturable in a CUDA graph.
 
     Greedy rows (temperature 0) take the argmax of the penalized logits; the others
     race ``scaled - race_noise`` with scaled = penalized logits / temperature.
+    ``ends``: the model's end-of-sequence token ids, which a row cannot draw before
+    its ``min_tokens``-th token (their logits become -inf in place, before anything).
     """
+    if ends is not None and params.min_tokens is not None and ends.numel():
+        ban_ends(logits, params.index < params.min_tokens, ends)
     if logits.is_cuda and triton_available():
         return sample_tokens_triton(logits, params, variant, seen)
     if logits.device.type == "cpu":
@@ -196,6 +218,14 @@ def sample_tokens(
 
         return sample_tokens_cpu(logits, params, variant, seen)
     return sample_tokens_torch(logits, params, variant, seen)
+
+
+def ban_ends(logits: torch.Tensor, banned: torch.Tensor, ends: torch.Tensor) -> None:
+    """Set the ``ends`` columns of the ``banned`` rows to -inf: the race and the argmax
+    then never pick them, and every other token keeps its own noise (same draws as
+    without the end tokens). Fixed kernels, no sync."""
+    columns = logits.index_select(1, ends)
+    logits.index_copy_(1, ends, columns.masked_fill_(banned.unsqueeze(1), float("-inf")))
 
 
 def sample_tokens_torch(

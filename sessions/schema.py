@@ -55,6 +55,9 @@ class GenerationParams:
     # The end-of-sequence token does not end the turn (it is sampled and passed on as
     # any token): every turn runs to max_new_tokens, as benchmark clients want.
     ignore_eos: bool = False
+    # No end-of-sequence token is drawn before this many tokens (its logits are
+    # masked); stop strings still end the turn. vLLM's min_tokens.
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -72,13 +75,19 @@ class GenerationParams:
         if unknown:
             raise ParamsError(f"unknown params: {', '.join(unknown)}")
         values = {name: _PARAM_CHECKS[name](raw[name]) for name in raw}
-        return cls(**values)
+        params = cls(**values)
+        if params.min_tokens > params.max_new_tokens:
+            raise ParamsError("min_tokens must not be above max_new_tokens")
+        return params
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["stop"] = list(self.stop)
-        if not self.ignore_eos:  # an engine from before the field reads the rest as ever
-            del out["ignore_eos"]
+        # Fields at their default are left out: an engine from before them reads every
+        # turn that does not use them as ever (a rolling upgrade).
+        for name in ("ignore_eos", "min_tokens"):
+            if not out[name]:
+                del out[name]
         return out
 
     @classmethod
@@ -156,6 +165,7 @@ _PARAM_CHECKS: dict[str, Any] = {
     "seed": _seed,
     "stop": _stop,
     "ignore_eos": _flag("ignore_eos"),
+    "min_tokens": _int_in(0, MAX_NEW_TOKENS_LIMIT, "min_tokens"),
 }
 
 

@@ -39,6 +39,8 @@ export interface GenerateParams {
   stop?: string[];
   /** The end-of-sequence token does not end the turn: it runs to max_new_tokens. */
   ignore_eos?: boolean;
+  /** No end-of-sequence token before this many tokens (at most max_new_tokens). */
+  min_tokens?: number;
 }
 
 /** Either `messages` (chat) or `prompt` (raw text) starts a turn. */

@@ -106,7 +106,7 @@ def check(cases: list[Case], device: str = "cpu") -> list[str]:
     """Each case's tokens from the Triton race and from the torch path, compared."""
     problems = []
     for case in cases:
-        params = SamplingTensors(*(t.to(device) for t in case.params.__dict__.values()))
+        params = case.params.to(device)
         logits = case.logits.to(device)
         seen = None if case.seen is None else case.seen.to(device)
         want = sample_tokens_torch(logits, params, case.variant, seen).cpu()

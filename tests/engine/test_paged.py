@@ -255,3 +255,31 @@ def test_step_inputs_are_copied_from_contiguous_host_buffers(tiny: LoadedModel) 
         core.add(request(f"r{i}", prompt(tiny.tokenizer, PROMPTS[i]), SAMPLED))
     run_all(core)
     assert sources and all(src.is_contiguous() for src in sources)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["fast", "graph-buckets", "eager"],
+)
+@pytest.mark.parametrize("at", [0, 3], ids=["first-token", "decode"])
+def test_min_tokens_holds_the_end_of_sequence_back_for_its_row_only(
+    tiny: LoadedModel, kind: str, at: int
+) -> None:
+    """The end token is the greedy choice at token ``at``: a row with min_tokens draws
+    something else until then (the prefill's draw for the first token, a decode step's
+    for a later one); a row beside it without min_tokens still ends there."""
+    ids = prompt(tiny.tokenizer, "Once upon a time")
+    expected = reference_greedy(tiny, ids, 10)
+    eos = expected[at]
+    loaded = dataclasses.replace(tiny, eos_token_ids={eos})
+    config = EngineConfig(max_batch_size=4, cuda_graphs=kind == "graph-buckets")
+    core: Any = EagerEngineCore(loaded, config) if kind == "eager" else EngineCore(loaded, config)
+    held = dataclasses.replace(GREEDY, max_new_tokens=10, min_tokens=at + 3)
+    core.add(request("held", ids, held))
+    core.add(request("free", ids, dataclasses.replace(GREEDY, max_new_tokens=10)))
+    outs = run_all(core)
+    free = tokens_of(outs["free"])
+    assert free == expected[: expected.index(eos) + 1] and outs["free"][-1].finish_reason == "stop"
+    tokens = tokens_of(outs["held"])
+    assert tokens[:at] == expected[:at] and tokens[at] != eos
+    assert eos not in tokens[: at + 3] and len(tokens) >= at + 3

@@ -200,3 +200,29 @@ def test_the_sampling_warm_up_is_a_no_op_off_cuda() -> None:
 
     core = EngineCore(load_model(str(tiny_model_dir())))
     assert core.runner.warm_sampling() == 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.8, "top_k": 20, "top_p": 0.9}],
+    ids=["greedy", "sample", "filtered"],
+)
+def test_min_tokens_bans_the_end_tokens_and_leaves_every_other_draw_alone(
+    params: dict[str, object],
+) -> None:
+    """Rows still under their min_tokens never draw an end token, however it leads;
+    rows past it, and every row's draw among the other tokens, are as without it."""
+    ends = torch.tensor([3, 7])
+    scores = logits(6, seed=5)
+    scores[:, 3] += 50.0  # the end token leads every row by far
+    rows = [row(100 + r, r, min_tokens=4, **params) for r in range(6)]  # index r: 0..5
+    got = sample(scores.clone(), rows, ends=ends)
+    free = sample(scores.clone(), rows)  # the same rows, nothing banned
+    without_ends = scores.clone()
+    without_ends[:, [3, 7]] = float("-inf")
+    alone = sample(without_ends, rows)
+    for r in range(6):
+        if r < 4:  # still under min_tokens
+            assert int(got[r]) not in (3, 7) and int(got[r]) == int(alone[r])
+        else:
+            assert int(got[r]) == int(free[r]) == 3

@@ -124,6 +124,12 @@ async def test_openai_sdk_against_the_real_model(tmp_path: Path) -> None:
         assert forced.usage is not None and forced.usage.completion_tokens == 32
         first_answer = answer.choices[0].message.content or ""
         assert (forced.choices[0].message.content or "").startswith(first_answer)
+        # min_tokens: no end-of-sequence token before the 20th.
+        held = await client.chat.completions.create(
+            model="wsinfer", messages=question, temperature=0, max_tokens=32,  # type: ignore[arg-type]
+            extra_body={"min_tokens": 20},
+        )  # fmt: skip
+        assert held.usage is not None and held.usage.completion_tokens >= 20
     finally:
         assert stop_serve(process) == 0
 

@@ -35,10 +35,13 @@ def test_openai_names_become_generate_params() -> None:
     assert chat.stream and chat.include_usage
     assert parse(max_completion_tokens=9).generate.params.max_new_tokens == 9
     # vLLM's extensions, which benchmark clients send.
-    extended = parse(top_k=5, repetition_penalty=1.2, ignore_eos=True).generate.params
-    assert (extended.top_k, extended.repetition_penalty, extended.ignore_eos) == (5, 1.2, True)
+    extended = parse(top_k=5, repetition_penalty=1.2, ignore_eos=True, min_tokens=3).generate
+    values = (extended.params.top_k, extended.params.repetition_penalty)
+    assert values == (5, 1.2) and extended.params.ignore_eos and extended.params.min_tokens == 3
     with pytest.raises(OpenAIError, match="ignore_eos must be true or false"):
         parse(ignore_eos="yes")
+    with pytest.raises(OpenAIError, match="min_tokens must not be above max_new_tokens"):
+        parse(min_tokens=9, max_tokens=8)
 
 
 def test_messages_text_parts_and_developer_role() -> None:

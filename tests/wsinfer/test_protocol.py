@@ -56,6 +56,11 @@ def test_ignore_eos_is_a_boolean_param_that_round_trips() -> None:
     assert params.ignore_eos and GenerationParams.from_dict(params.to_dict()) == params
     with pytest.raises(ParamsError, match="ignore_eos must be true or false"):
         GenerationParams.parse({"ignore_eos": 1})
+    held = GenerationParams.parse({"min_tokens": 5, "max_new_tokens": 9})
+    assert GenerationParams.from_dict(held.to_dict()) == held
+    assert "min_tokens" not in GenerationParams().to_dict()
+    with pytest.raises(ParamsError, match="min_tokens must not be above max_new_tokens"):
+        GenerationParams.parse({"min_tokens": 300})  # the default max_new_tokens is 256
 
 
 @pytest.mark.parametrize(

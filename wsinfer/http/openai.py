@@ -48,8 +48,8 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
 }
-# OpenAI name -> wsinfer params name; top_k, repetition_penalty and ignore_eos are
-# extensions (as in vLLM, whose benchmark clients send ignore_eos).
+# OpenAI name -> wsinfer params name; top_k, repetition_penalty, ignore_eos and
+# min_tokens are extensions (as in vLLM, whose benchmark clients send ignore_eos).
 PARAMS = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -58,6 +58,7 @@ PARAMS = {
     "top_k": "top_k",
     "repetition_penalty": "repetition_penalty",
     "ignore_eos": "ignore_eos",
+    "min_tokens": "min_tokens",
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
