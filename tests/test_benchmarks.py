@@ -48,6 +48,15 @@ def data_rows(table: list[str]) -> list[list[str]]:
     return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[1:]]
 
 
+def test_profile_step_splits_each_batch_sizes_time_by_kind_of_op() -> None:
+    table = load_script("profile_step").profile_table(tiny(), [1, 3], steps=4)
+    rows = data_rows(table.splitlines())
+    assert [row[0] for row in rows] == ["1", "3"]
+    for row in rows:
+        shares = [float(cell.rstrip("%")) for cell in row[3:]]
+        assert float(row[2]) > 0 and shares[0] > 0 and 99 <= sum(shares) <= 101
+
+
 def test_throughput_table_has_a_row_per_batch_size(bench_engine: ModuleType) -> None:
     table = bench_engine.throughput_table(
         tiny(), tiny(), [1, 3], new_tokens=4, with_cb=False, previous=tiny()
