@@ -199,11 +199,33 @@ def masked_attention(
     values = values.masked_fill(~valid[:, :, None, None], 0.0).to(compute)
     scores = torch.einsum("bhgd,blhd->bhgl", query.to(compute), keys.to(compute)) * scale
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = soft_cap(scores, softcap)
     scores.masked_fill_(~valid[:, None, None, :], -math.inf)
     probs = torch.softmax(scores, dim=-1)
     probs.masked_fill_((seq_lens == 0)[:, None, None, None], 0.0)  # all -inf gave NaN
     return torch.einsum("bhgl,blhd->bhgd", probs, values).to(query.dtype)
+
+
+def prefill_softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """SDPA's result with the scores soft-capped first (Gemma 2), as transformers' eager
+    attention computes it: in the model's dtype, the softmax in float32. The prefill's
+    layout ([R, H, W, D] queries, a boolean visibility mask); ``masked_attention`` is
+    the decode step's."""
+    scores = soft_cap((q @ k.transpose(-2, -1)) * scale, softcap)
+    scores = scores.masked_fill(~mask, -math.inf)
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)``: Gemma 2's cap on attention scores and on logits."""
+    return torch.tanh(x / cap) * cap
 
 
 def gather_rows(

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from .attention import soft_cap
 from .families import FAMILIES, Family, UnsupportedModel, activation_of, family_of
 
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
@@ -260,7 +261,7 @@ class FastLlama:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.logit_softcap is not None:
-            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+            logits = soft_cap(logits, self.logit_softcap)
         return logits
 
     def kv_bytes_per_token(self) -> int:

@@ -220,11 +220,9 @@ def attention_implementation(folder: Path) -> str:
     ``eager``: the fast core never calls the model's own attention."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    config = _read_config(folder / "config.json", str(folder))
-    names = [str(a) for a in config.get("architectures") or []]
-    class_name = names[0] if names else None
-    class_name = class_name or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))
-    return "sdpa" if _supports_sdpa(class_name) else "eager"
+    # The class AutoModelForCausalLM builds, looked up as check_architecture does.
+    model_type = str(_read_config(folder / "config.json", str(folder)).get("model_type", ""))
+    return "sdpa" if _supports_sdpa(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)) else "eager"
 
 
 def _read_config(path: Path, spec: str) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 from wsinfer.sessions.schema import GenerationParams
 
-from .attention import decode_attention
+from .attention import decode_attention, prefill_softcapped_attention
 from .batch import DecodeRows
 from .kvpool import KVPool
 from .llama import FastLlama
@@ -149,24 +148,10 @@ class PrefillContext:
                 padded, keys, values, attn_mask=self.mask, scale=self.scale
             )
         else:
-            out = softcapped_attention(padded, keys, values, self.mask, self.scale, self.softcap)
+            out = prefill_softcapped_attention(
+                padded, keys, values, self.mask, self.scale, self.softcap
+            )
         return out.transpose(1, 2).reshape(-1, heads, dim)[self.pad_index]
-
-
-def softcapped_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:
-    """SDPA's result with the scores soft-capped first (Gemma 2), as transformers' eager
-    attention computes it: in the model's dtype, the softmax in float32."""
-    scores = (q @ k.transpose(-2, -1)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, -math.inf)
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def _prefill_mask(

@@ -24,13 +24,13 @@ from transformers import (
     Qwen3Config,
 )
 
+from wsinfer.engine.attention import prefill_softcapped_attention
 from wsinfer.engine.core import EngineConfig, EngineCore, build_core
 from wsinfer.engine.eager import EagerEngineCore
 from wsinfer.engine.families import UnsupportedModel, family_of
 from wsinfer.engine.lifecycle import EngineRequest
 from wsinfer.engine.llama import FastLlama, fast_model_for
 from wsinfer.engine.model import LoadedModel, load_model
-from wsinfer.engine.runner import softcapped_attention
 from wsinfer.engine.sampling import GenerationParams
 
 from .conftest import tokens_of
@@ -233,7 +233,7 @@ class _WholePrompt:
                 q, k, v, attn_mask=self.mask, scale=scale
             )
         else:
-            out = softcapped_attention(q, k, v, self.mask, scale, cap)
+            out = prefill_softcapped_attention(q, k, v, self.mask, scale, cap)
         return out[0].transpose(0, 1)
 
 

@@ -395,7 +395,7 @@ _CHUNK_KINDS: dict[str, type[Completion]] = {
 
 
 def _chunk_kind(wanted: str | None) -> type[Completion]:
-    if wanted is None or wanted == "":
+    if not wanted:
         return Completion
     kind = _CHUNK_KINDS.get(wanted)
     if kind is None:
