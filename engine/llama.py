@@ -225,7 +225,10 @@ class FastLlama:
         assert norm is not None, "a decoder without a final norm"
         self.norm = norm
         self.eps = eps
-        self.lm_head = Linear(_weight(model.lm_head), None, transposed)
+        # A Linear here; the quantized CPU path puts an int8 one in its place.
+        self.lm_head: Callable[[torch.Tensor], torch.Tensor] = Linear(
+            _weight(model.lm_head), None, transposed
+        )
         # One rotary table per layer type (Gemma 3's sliding layers have their own base).
         self.rope_of_layer, self.tables = _rope_tables(
             inner, config, max_positions, self.dtype, self.device

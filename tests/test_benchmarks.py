@@ -400,3 +400,12 @@ def test_bench_responses_compares_the_responses_stream_with_chat(
         "the ended turn read back whole",
     ]
     assert all(row[1].endswith(" ms") and row[3].endswith("x") for row in rows)
+
+
+def test_bench_weight_formats_compares_each_format_with_float32() -> None:
+    script = load_script("bench_weight_formats")
+    table = script.weight_formats_table(tiny(), 4, script.FORMATS).splitlines()
+    rows = data_rows(table)
+    assert [row[0] for row in rows] == ["float32", "quantized"]
+    float32 = rows[0]
+    assert float32[3] == "1.00x / 1.00x" and float32[4] == "0.00000" and float32[5] == "100.0%"
