@@ -32,6 +32,7 @@ from .kvbuffer import common_prefix
 from .kvpool import KVHandles, KVPool
 from .lifecycle import CoreBase, EngineConfig, EngineRequest, RequestOutput, Sequence
 from .llama import FastLlama, UnsupportedModel, fast_model_for
+from .logprobs import HostLogprobs, host_copy
 from .model import LoadedModel
 from .quant import cpu_quantized_model
 from .runner import ModelRunner, PrefillPiece
@@ -62,6 +63,7 @@ class _Launch:
     event: torch.cuda.Event | None  # the step's end on the GPU (CUDA only)
     start: torch.cuda.Event | None = None  # its start on the GPU
     previous_end: torch.cuda.Event | None = None  # the end of the step launched before
+    logprobs: tuple[torch.Tensor, ...] | None = None  # host copies, when a row asked
 
 
 class EngineCore(CoreBase):
@@ -213,12 +215,15 @@ class EngineCore(CoreBase):
         if not decode and not pieces:
             return None
         start = _timing_event() if self.device.type == "cuda" else None
+        logprobs = False
         if decode:
             self._variant = self._variant or variant_of([s.request.params for s in self.rows.seqs])
-            self.runner.decode(self.rows, self._variant)
+            logprobs = any(s is not None and s.request.params.logprobs for s in decode)
+            self.runner.decode(self.rows, self._variant, logprobs)
             self._advance_rows(decode)
         prefilled = self._run_prefill(pieces) if pieces else []
-        launch = self._record(decode, prefilled)
+        logprobs = logprobs or any(s.request.params.logprobs for s in prefilled)
+        launch = self._record(decode, prefilled, logprobs)
         launch.start, launch.previous_end = start, self._last_end
         self._last_end = launch.event
         return launch
@@ -307,7 +312,7 @@ class EngineCore(CoreBase):
     def _run_prefill(self, pieces: list[PrefillPiece]) -> list[_Seq]:
         complete = [p.seq for p in pieces if p.end == p.seq.target]
         draws = [RowSampling(s.request.params, s.seed, s.num_generated) for s in complete]
-        self.runner.prefill(pieces, draws)
+        self.runner.prefill(pieces, draws, any(s.request.params.logprobs for s in complete))
         for piece in pieces:
             piece.seq.computed = piece.end
         for j, seq in enumerate(complete):
@@ -322,15 +327,17 @@ class EngineCore(CoreBase):
         if seq.request.params.repetition_penalty != 1.0:
             self.runner.reset_seen(seq.row, seq.tokens, src)
 
-    def _record(self, decode: list[_Seq | None], prefilled: list[_Seq]) -> _Launch:
-        """Start copying the step's tokens to the host; the step's only sync waits for it."""
+    def _record(self, decode: list[_Seq | None], prefilled: list[_Seq], logprobs: bool) -> _Launch:
+        """Start copying the step's tokens (and log-probabilities, if a row asked) to the
+        host; the step's only sync waits for it."""
         host = self._hosts[self._flip]
         self._flip ^= 1
         last = self.runner.last_tokens
         n = len(last) if prefilled else len(decode)
         host[:n].copy_(last[:n], non_blocking=True)
+        copies = host_copy(self.runner.logprobs, n) if logprobs else None
         event = _timing_event() if self.device.type == "cuda" else None
-        return _Launch(decode, prefilled, host, event)
+        return _Launch(decode, prefilled, host, event, logprobs=copies)
 
     # --- handing out tokens -------------------------------------------------------------
 
@@ -341,13 +348,18 @@ class EngineCore(CoreBase):
         self.steps += 1
         tokens = launch.host.tolist()
         base = self.runner.max_rows
-        pairs = [(s, tokens[i]) for i, s in enumerate(launch.decode) if s is not None]
-        pairs += [(s, tokens[base + j]) for j, s in enumerate(launch.prefilled)]
+        rows = [(s, i) for i, s in enumerate(launch.decode) if s is not None]
+        rows += [(s, base + j) for j, s in enumerate(launch.prefilled)]
+        logprobs = HostLogprobs(launch.logprobs) if launch.logprobs is not None else None
         outputs = []
-        for seq, token in pairs:
+        for seq, i in rows:
             if self._seqs.get(seq.id) is seq:  # not ended or aborted since the launch
                 seq.pending -= 1
-                outputs.append(self._accept(seq, token))
+                params = seq.request.params
+                lp = None
+                if logprobs is not None and params.logprobs:
+                    lp = logprobs.at(i, tokens[i], params.top_logprobs)
+                outputs.append(self._accept(seq, tokens[i], lp))
         return outputs
 
     def _count_idle(self, launch: _Launch) -> None:

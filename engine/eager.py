@@ -27,6 +27,7 @@ import torch
 from .cpu_linear import pack_linear_weights
 from .kvbuffer import BufferCache, KVBuffer, KVStore, RetainedKV, common_prefix
 from .lifecycle import CoreBase, EngineConfig, RequestOutput, Sequence
+from .logprobs import HostLogprobs, LogprobBuffers, host_copy, model_logprobs
 from .model import LoadedModel
 from .prefill import PrefillGroup, new_group, prefill_chunk
 from .sampling import RowSampling, sample, to_device
@@ -102,8 +103,22 @@ class EagerEngineCore(CoreBase):
             logits.append(prefilled[1])
         if not seqs:
             return []
-        tokens = self._sample(seqs, torch.cat(logits)).tolist()  # the step's only sync
-        outputs = [self._accept(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
+        all_logits = torch.cat(logits)
+        wanted = [i for i, s in enumerate(seqs) if s.request.params.logprobs]
+        buffers = None
+        if wanted:  # before sampling, which may change the logits in place
+            buffers = LogprobBuffers(len(seqs), all_logits.device)
+            model_lp = model_logprobs(all_logits)
+        tokens_t = self._sample(seqs, all_logits)
+        if buffers is not None:
+            buffers.record(0, model_lp, tokens_t)
+        tokens = tokens_t.tolist()  # the step's only sync
+        host = HostLogprobs(host_copy(buffers, len(seqs))) if buffers is not None else None
+        outputs = []
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            params = seq.request.params
+            lp = host.at(i, token, params.top_logprobs) if host and params.logprobs else None
+            outputs.append(self._accept(seq, token, lp))
         for seq in prefilled[0] if prefilled else []:
             if seq.id in self._seqs:
                 self._join_batch(seq)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsinfer.engine.core import EngineRequest, RequestOutput
+from wsinfer.engine.logprobs import TokenLogprob
 from wsinfer.sessions.schema import FinishReason, Usage
 
 FAKE_PREFIX = "fake:"
@@ -226,6 +227,7 @@ class FakeCore:
             last = outputs[-1]
             last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
             last.text = "".join(out.text for out in outputs)
+            last.logprobs = [lp for out in outputs for lp in out.logprobs]
             return [last]
         return outputs
 
@@ -240,9 +242,21 @@ class FakeCore:
             reason, text = "stop", text[:stop_at]
         elif stream.num_generated >= stream.request.params.max_new_tokens:
             reason = "length"
+        # The fake model is sure of every word: log-probability 0, no alternative.
+        params = stream.request.params
+        top = ((token, 0.0),) if params.top_logprobs else ()
+        logprobs = [TokenLogprob(token, 0.0, top)] if params.logprobs else []
         if reason is not None:
-            return self._final(stream, reason, [token], text)
-        return RequestOutput(stream.request.request_id, [token], text, stream.num_generated)
+            final = self._final(stream, reason, [token], text)
+            final.logprobs = logprobs
+            return final
+        out = RequestOutput(stream.request.request_id, [token], text, stream.num_generated)
+        out.logprobs = logprobs
+        return out
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes (its word), for logprobs entries."""
+        return WORDS[token % len(WORDS)].encode()
 
     def _find_stop(self, stream: _Stream, text: str) -> int | None:
         """Where in ``text`` a stop string completes (its start), if one does."""

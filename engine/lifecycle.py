@@ -20,6 +20,7 @@ from wsinfer.contract import ErrorCode
 from wsinfer.sessions.schema import FinishReason, GenerationParams, TurnError, Usage
 
 from .detokenizer import IncrementalDetokenizer
+from .logprobs import TokenBytes, TokenLogprob
 from .model import LoadedModel
 from .sampling import fresh_seed
 
@@ -69,6 +70,8 @@ class RequestOutput:
     usage: Usage | None = None
     kv_len: int | None = None
     error: TurnError | None = None  # with finish_reason "error": its code, chosen here
+    # With params.logprobs: one per new token but end-of-sequence ones (not content).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -103,6 +106,7 @@ class CoreBase:
         self._seqs: dict[str, Any] = {}
         self._immediate: dict[str, RequestOutput] = {}  # outputs due at the next step
         self._aborts: dict[str, bool] = {}  # request id -> pause
+        self.token_bytes = TokenBytes(loaded.tokenizer)  # for logprobs entries
 
     # --- public API ---------------------------------------------------------
 
@@ -185,14 +189,18 @@ class CoreBase:
 
     # --- results -------------------------------------------------------------------
 
-    def _accept(self, seq: Sequence, token: int) -> RequestOutput:
+    def _accept(
+        self, seq: Sequence, token: int, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         seq.tokens.append(token)
         seq.num_generated += 1
         if seq.seen is not None and token < seq.seen.shape[0]:
             seq.seen[token] = True
         reason: FinishReason | None = None
+        logprobs = [logprob] if logprob is not None else []
         if token in self._ends(seq.request.params):
             reason, text = "stop", seq.detok.flush()
+            logprobs = []
         else:
             text = seq.detok.add(token)
             if seq.detok.stopped:
@@ -200,8 +208,8 @@ class CoreBase:
             elif self._out_of_room(seq):
                 reason, text = "length", text + seq.detok.flush()
         if reason is not None:
-            return self._final_output(seq, reason, [token], text)
-        return RequestOutput(seq.id, [token], text, seq.num_generated)
+            return self._final_output(seq, reason, [token], text, logprobs=logprobs)
+        return RequestOutput(seq.id, [token], text, seq.num_generated, logprobs=logprobs)
 
     def _ends(self, params: GenerationParams) -> frozenset[int]:
         """The tokens that end a turn: the model's end-of-sequence tokens, unless ignored."""
@@ -233,6 +241,7 @@ class CoreBase:
         *,
         paused: bool = False,
         error: TurnError | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         """Remove ``seq`` (retaining its KV under its cache key) and build its last output."""
         kv_len = self._retain(seq) if error is None else None
@@ -249,6 +258,7 @@ class CoreBase:
             usage=usage,
             kv_len=kv_len,
             error=error,
+            logprobs=logprobs or [],
         )
 
     def _faulted(self, failed: list[Any], message: str) -> list[RequestOutput]:

@@ -24,6 +24,7 @@ from wsinfer.contract import ErrorCode
 from wsinfer.engine.core import EngineConfig, EngineRequest, RequestOutput, build_core
 from wsinfer.engine.defaults import default_dtype, resolve_device
 from wsinfer.engine.fake import FakeLoaded, fake_engine, is_fake
+from wsinfer.engine.logprobs import wire_entries
 from wsinfer.engine.metrics import EngineMetrics
 from wsinfer.engine.model import LoadedModel, ModelLoadError, load_model
 from wsinfer.engine.outage import OutageGuard
@@ -405,7 +406,9 @@ class EngineProcess:
     def _to_publish(self, turn: ActiveTurn, out: RequestOutput) -> Publish:
         events: list[TurnEvent] = []
         if out.new_token_ids or out.text:
-            events.append(DeltaEvent(out.num_generated, out.text, list(out.new_token_ids)))
+            logprobs = wire_entries(out.logprobs, self.core.token_bytes) if out.logprobs else None
+            tokens = list(out.new_token_ids)
+            events.append(DeltaEvent(out.num_generated, out.text, tokens, logprobs=logprobs))
         fields: dict[str, Any] = {"pub": turn.published + 1}
         if not turn.announced:
             fields["prompt_tokens"] = turn.prompt_tokens

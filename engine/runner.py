@@ -30,6 +30,7 @@ from .attention import decode_attention, prefill_softcapped_attention
 from .batch import DecodeRows
 from .kvpool import KVPool
 from .llama import FastLlama
+from .logprobs import LogprobBuffers, model_logprobs
 from .sampling import (
     RowSampling,
     SamplingTensors,
@@ -196,6 +197,8 @@ class ModelRunner:
         self.ends = torch.tensor(sorted(ends or []), dtype=torch.long, device=device)
         # Sampled tokens: decode rows first, then prefill completions.
         self.last_tokens = torch.zeros(max_rows + max_prefill_rows, dtype=torch.long, device=device)
+        # Their log-probabilities, rows as last_tokens, for batches with a logprobs turn.
+        self.logprobs = LogprobBuffers(max_rows + max_prefill_rows, device)
         self.seen = torch.zeros(max_rows, model.vocab_size, dtype=torch.bool, device=device)
         self._staging = [_Staging(max_rows, max_blocks, device) for _ in range(2)]
         self._flip = 0
@@ -204,21 +207,24 @@ class ModelRunner:
 
     # --- decode ----------------------------------------------------------------
 
-    def decode(self, rows: DecodeRows, variant: Variant) -> int:
-        """Run one decode step for every row; tokens land in ``last_tokens[:len(rows)]``.
+    def decode(self, rows: DecodeRows, variant: Variant, logprobs: bool = False) -> int:
+        """Run one decode step for every row; tokens land in ``last_tokens[:len(rows)]``
+        (and with ``logprobs``, their log-probabilities in ``self.logprobs``).
 
         Returns the number of rows computed (the graph bucket, padding included).
+        A step with log-probabilities runs the graphs' program eagerly: the graphs
+        are captured without them.
         """
         n = len(rows)
         bucket = self._bucket(n) if self.padded else n
         self._stage(rows, n, bucket)
-        graph = self.graphs.get((bucket, variant))
+        graph = None if logprobs else self.graphs.get((bucket, variant))
         if graph is not None:
             graph.replay()
         elif self.padded:  # the captured program, run eagerly (CPU tests of the graph path)
-            self._decode(bucket, variant)
+            self._decode(bucket, variant, logprobs=logprobs)
         else:
-            self._decode(n, variant, int(rows.positions[:n].max()) + 1)
+            self._decode(n, variant, int(rows.positions[:n].max()) + 1, logprobs=logprobs)
         return bucket
 
     def _bucket(self, n: int) -> int:
@@ -252,7 +258,9 @@ class ModelRunner:
             self.ints.copy_(staging.ints_t, non_blocking=True)
             rows.params_dirty = False
 
-    def _decode(self, b: int, variant: Variant, max_len: int | None = None) -> None:
+    def _decode(
+        self, b: int, variant: Variant, max_len: int | None = None, logprobs: bool = False
+    ) -> None:
         """The decode step over rows ``:b`` (what a graph captures); no host sync."""
         ints = self.step_ints[:, :b]
         tables = self.block_tables[:b]
@@ -274,7 +282,11 @@ class ModelRunner:
             self.ints[1, :b], ints[_INDEX], self.ints[2, :b],
         )  # fmt: skip
         seen = None if variant is Variant.GREEDY else self.seen[:b]
-        tokens = sample_tokens(self.model.logits(hidden), params, variant, seen, self.ends)
+        logits = self.model.logits(hidden)
+        model_lp = model_logprobs(logits) if logprobs else None
+        tokens = sample_tokens(logits, params, variant, seen, self.ends)
+        if model_lp is not None:
+            self.logprobs.record(0, model_lp, tokens)
         if seen is not None:
             seen.scatter_(1, tokens.unsqueeze(1), True)
         self.last_tokens[:b].copy_(tokens)
@@ -293,9 +305,12 @@ class ModelRunner:
 
     # --- prefill -----------------------------------------------------------------
 
-    def prefill(self, pieces: list[PrefillPiece], complete: list[RowSampling]) -> None:
+    def prefill(
+        self, pieces: list[PrefillPiece], complete: list[RowSampling], logprobs: bool = False
+    ) -> None:
         """One forward over every piece; the pieces that finish their context (the
-        first ``len(complete)``) sample their next token into ``last_tokens[max_rows:]``."""
+        first ``len(complete)``) sample their next token into ``last_tokens[max_rows:]``
+        (and with ``logprobs``, its log-probability into ``self.logprobs``, same rows)."""
         context = PrefillContext(self.pool, pieces, self.model.scale, self.model.attn_softcap)
         ids = to_device([t for p in pieces for t in p.tokens[p.start : p.end]], self.device)
         hidden = self.model.forward(ids, context.positions, context)
@@ -311,7 +326,10 @@ class ModelRunner:
                 seen[i, torch.tensor(piece.tokens)] = True
             seen = upload(seen, self.device)
         tensors = tensors_for(complete, self.device)
+        model_lp = model_logprobs(logits) if logprobs else None
         tokens = sample_tokens(logits, tensors, variant_of(params), seen, self.ends)
+        if model_lp is not None:
+            self.logprobs.record(self.max_rows, model_lp, tokens)
         self.last_tokens[self.max_rows : self.max_rows + len(complete)].copy_(tokens)
 
     # --- CUDA graphs ----------------------------------------------------------------

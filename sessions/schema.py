@@ -35,6 +35,7 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 64
 MIN_TEMPERATURE = 0.01
 MIN_REPETITION_PENALTY = 0.01
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 
 
 class ParamsError(ValueError):
@@ -58,6 +59,10 @@ class GenerationParams:
     # No end-of-sequence token is drawn before this many tokens (its logits are
     # masked); stop strings still end the turn. vLLM's min_tokens.
     min_tokens: int = 0
+    # Report each drawn token's log-probability under the model (before temperature,
+    # penalties and top-k/top-p), and the top_logprobs most likely tokens beside it.
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +83,8 @@ class GenerationParams:
         params = cls(**values)
         if params.min_tokens > params.max_new_tokens:
             raise ParamsError("min_tokens must not be above max_new_tokens")
+        if params.top_logprobs and not params.logprobs:
+            raise ParamsError("top_logprobs needs logprobs: true")
         return params
 
     def to_dict(self) -> dict[str, Any]:
@@ -85,7 +92,7 @@ class GenerationParams:
         out["stop"] = list(self.stop)
         # Fields at their default are left out: an engine from before them reads every
         # turn that does not use them as ever (a rolling upgrade).
-        for name in ("ignore_eos", "min_tokens"):
+        for name in ("ignore_eos", "min_tokens", "logprobs", "top_logprobs"):
             if not out[name]:
                 del out[name]
         return out
@@ -166,6 +173,8 @@ _PARAM_CHECKS: dict[str, Any] = {
     "stop": _stop,
     "ignore_eos": _flag("ignore_eos"),
     "min_tokens": _int_in(0, MAX_NEW_TOKENS_LIMIT, "min_tokens"),
+    "logprobs": _flag("logprobs"),
+    "top_logprobs": _int_in(0, MAX_TOP_LOGPROBS, "top_logprobs"),
 }
 
 
@@ -298,6 +307,9 @@ class DeltaEvent:
     text: str
     tokens: list[int] = field(default_factory=list)
     kind: Literal["delta"] = "delta"
+    # With params.logprobs: one entry per content token of ``tokens`` (an end-of-sequence
+    # token is none), in OpenAI's chat shape: {"token", "logprob", "bytes", "top_logprobs"}.
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -344,6 +356,8 @@ def pack(message: Any) -> bytes:
         # an engine's publishing time under fan-out load; the same map, built directly.
         data: Any = {"seq": message.seq, "text": message.text, "tokens": message.tokens}
         data["kind"] = "delta"
+        if message.logprobs is not None:
+            data["logprobs"] = message.logprobs
     else:
         data = asdict(message)
         if isinstance(message, DoneEvent) and message.error is not None:

@@ -10,7 +10,7 @@ import sys
 from wsinfer.contract import ErrorCode
 from wsinfer.engine.lifecycle import RequestOutput
 from wsinfer.engine.process import _final_event
-from wsinfer.sessions.schema import DoneEvent, TurnError, Usage, decode_event, encode
+from wsinfer.sessions.schema import DeltaEvent, DoneEvent, TurnError, Usage, decode_event, encode
 
 
 def _failed(error: TurnError | None) -> DoneEvent:
@@ -42,3 +42,12 @@ def test_the_engine_process_does_not_import_the_frontends_store() -> None:
     loaded = set(json.loads(out.stdout))
     assert "wsinfer.engine.process" in loaded
     assert "wsinfer.sessions.store" not in loaded
+
+
+def test_a_deltas_logprobs_cross_redis_and_a_delta_without_them_has_no_key() -> None:
+    entry = {"token": " Paris", "logprob": -0.01, "bytes": list(b" Paris"), "top_logprobs": []}
+    scored = DeltaEvent(3, " Paris", [7], logprobs=[entry])
+    assert decode_event(encode(scored)) == scored
+    plain = DeltaEvent(4, ".", [8])
+    assert decode_event(encode(plain)) == plain
+    assert b"logprobs" not in encode(plain)["m"]
