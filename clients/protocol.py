@@ -97,6 +97,8 @@ def control_request(kind: str, session: str, token: str, **extra: Any) -> Messag
 class TextDelta:
     text: str
     seq: int
+    # With params.logprobs: the entries of this text's tokens (docs/protocol.md).
+    logprobs: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,8 @@ class TurnState:
     turn: int
     seq: int = 0
     parts: list[str] = field(default_factory=list)
+    # With params.logprobs: every token's entry so far, in order.
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
     status: TurnStatus | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
@@ -228,7 +232,9 @@ class TurnState:
         self.seq = seq
         text = str(msg.get("text") or "")
         self.parts.append(text)
-        return TextDelta(text, seq)
+        entries = tuple(msg.get("logprobs") or ())
+        self.logprobs.extend(entries)
+        return TextDelta(text, seq, entries)
 
     def _apply_done(self, msg: Mapping[str, Any]) -> DoneEvent:
         self.finish_reason = str(msg.get("finish_reason") or "stop")

@@ -74,6 +74,11 @@ class Turn:
         return self.state.text
 
     @property
+    def logprobs(self) -> list[dict[str, Any]]:
+        """With ``params={"logprobs": True}``: each token's entry so far (docs/protocol.md)."""
+        return self.state.logprobs
+
+    @property
     def status(self) -> str | None:
         """``queued``, ``running``, ``paused`` or ``done``, as the server last said."""
         return None if self.state.status is None else self.state.status.value

@@ -265,14 +265,19 @@ def session_message(
     return with_id(message, msg_id)
 
 
-def delta_message(session: str, turn: int, seq: int, text: str) -> dict[str, Any]:
-    return {
+def delta_message(
+    session: str, turn: int, seq: int, text: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    message = {
         "type": ServerMessageType.DELTA.value,
         "session": session,
         "turn": turn,
         "seq": seq,
         "text": text,
     }
+    if logprobs:
+        message["logprobs"] = logprobs
+    return message
 
 
 def paused_message(session: str, turn: int, seq: int) -> dict[str, Any]:

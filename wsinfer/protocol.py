@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -153,6 +153,9 @@ class Feed:
     session: str
     turn: int
     last_seq: int
+    # Entries of deltas that carried no text yet (held-back tokens): they go out with
+    # the next text, so each delta's entries are those of its text's tokens.
+    held_logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -356,14 +359,19 @@ class ConnectionProtocol:
         if event.seq <= feed.last_seq:
             return
         feed.last_seq = event.seq
+        if event.logprobs:
+            feed.held_logprobs.extend(event.logprobs)
         if event.text:  # tokens still held back (partial UTF-8, stop prefix) carry no text
-            self._queue(delta_message(feed.session, feed.turn, event.seq, event.text))
+            logprobs, feed.held_logprobs = feed.held_logprobs or None, []
+            self._queue(delta_message(feed.session, feed.turn, event.seq, event.text, logprobs))
 
     # --- output ---------------------------------------------------------------------
 
     def _queue(self, message: dict[str, Any]) -> None:
         self._outbox.append(message)
         self.outbox_bytes += _MESSAGE_OVERHEAD + len(message.get("text", ""))
+        for entry in message.get("logprobs") or ():
+            self.outbox_bytes += _LOGPROB_BYTES * (1 + len(entry["top_logprobs"]))
 
     def data_to_send(self) -> list[Outgoing]:
         messages, self._outbox = _coalesce(self._outbox), []
@@ -414,15 +422,19 @@ _DELTA = ServerMessageType.DELTA.value  # read once: the merge loop runs per mes
 
 # Bytes a message costs beyond its text (keys, ids, framing), for the budget.
 _MESSAGE_OVERHEAD = 96
+# About what one logprobs entry (or one of its top_logprobs) takes as JSON.
+_LOGPROB_BYTES = 64
 
 
 def _coalesce(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Merge runs of deltas of the same turn: one frame, the latest seq, all text.
+    """Merge runs of deltas of the same turn: one frame, the latest seq, all text (and
+    all logprobs entries, in order).
 
     Texts are joined once per run (not pairwise), so a long replay stays linear.
     """
     out: list[dict[str, Any]] = []
     texts: list[str] = []  # the texts of the run of deltas that ends ``out``
+    entries: list[dict[str, Any]] = []  # and their logprobs entries
     for message in messages:
         prev = out[-1] if out else None
         if (
@@ -433,12 +445,20 @@ def _coalesce(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             and prev["turn"] == message["turn"]
         ):
             texts.append(message["text"])
+            entries.extend(message.get("logprobs") or ())
             out[-1] = {**prev, "seq": message["seq"]}
             continue
-        if texts and len(texts) > 1:
-            out[-1]["text"] = "".join(texts)
+        _close_run(out, texts, entries)
         texts = [message["text"]] if message["type"] == _DELTA else []
+        entries = list(message.get("logprobs") or ())
         out.append(message)
+    _close_run(out, texts, entries)
+    return out
+
+
+def _close_run(out: list[dict[str, Any]], texts: list[str], entries: list[dict[str, Any]]) -> None:
+    """Give the merged delta ending ``out`` its run's text and entries."""
     if len(texts) > 1:
         out[-1]["text"] = "".join(texts)
-    return out
+        if entries:
+            out[-1]["logprobs"] = entries

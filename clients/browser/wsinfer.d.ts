@@ -41,6 +41,18 @@ export interface GenerateParams {
   ignore_eos?: boolean;
   /** No end-of-sequence token before this many tokens (at most max_new_tokens). */
   min_tokens?: number;
+  /** Each delta carries its tokens' log-probabilities (docs/protocol.md). */
+  logprobs?: boolean;
+  /** 0-20 most likely tokens beside each drawn one; needs logprobs. */
+  top_logprobs?: number;
+}
+
+/** One token's log-probability (OpenAI's chat shape). */
+export interface TokenLogprob {
+  token: string;
+  logprob: number;
+  bytes: number[];
+  top_logprobs?: { token: string; logprob: number; bytes: number[] }[];
 }
 
 /** Either `messages` (chat) or `prompt` (raw text) starts a turn. */
@@ -102,7 +114,7 @@ export declare class WsinferError extends Error {
   static fromMessage(msg: { code?: string; message?: string; retry_after?: number; session?: string; id?: string | number }): WsinferError;
 }
 
-export interface DeltaDetail { text: string; seq: number; time: number; }
+export interface DeltaDetail { text: string; seq: number; time: number; logprobs?: TokenLogprob[]; }
 export interface PausedDetail { seq: number; }
 export interface SessionDetail { session: string; turn: number; }
 export interface DoneDetail {
@@ -146,6 +158,8 @@ export declare class WsinferTurn extends EventTarget implements AsyncIterable<st
   readonly finished: Promise<DoneDetail>;
   /** The whole text received so far. */
   readonly text: string;
+  /** With params.logprobs: the entries received by this page, in order. */
+  logprobs: TokenLogprob[];
   /** starting, running or paused. */
   readonly active: boolean;
   stop(): void;

@@ -120,6 +120,9 @@ export class WsinferTurn extends EventTarget {
     this.startedAt = performance.now();
     this.firstDeltaAt = null;
     this._chunks = text ? [text] : [];
+    // With params.logprobs: each token's entry received by this page (a turn restored
+    // after a reload starts with none for the text it already had).
+    this.logprobs = [];
     this._wakers = [];
     this.finished = new Promise((resolve, reject) => {
       this._resolve = resolve;
@@ -180,14 +183,17 @@ export class WsinferTurn extends EventTarget {
     for (const wake of wakers) wake();
   }
 
-  _applyDelta(seq, text) {
+  _applyDelta(seq, text, logprobs) {
     if (seq <= this.seq) return false; // already applied: a replay after resume
     const now = performance.now();
     if (this.firstDeltaAt === null) this.firstDeltaAt = now;
     this.seq = seq;
     if (text) this._chunks.push(text);
+    if (logprobs) this.logprobs.push(...logprobs);
     this.status = TurnStatus.RUNNING; // a delta is the server saying so
-    this.dispatchEvent(event("delta", { text, seq, time: now }));
+    const detail = { text, seq, time: now };
+    if (logprobs) detail.logprobs = logprobs;
+    this.dispatchEvent(event("delta", detail));
     this._wake();
     return true;
   }
@@ -567,7 +573,7 @@ export class WsinferClient extends EventTarget {
   _on_delta(msg) {
     const turn = this._turnFor(msg);
     if (!turn || !turn.active || this._restarting(turn)) return;
-    if (turn._applyDelta(msg.seq, msg.text)) this._save();
+    if (turn._applyDelta(msg.seq, msg.text, msg.logprobs)) this._save();
   }
 
   _on_paused(msg) {

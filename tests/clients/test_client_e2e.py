@@ -145,6 +145,29 @@ async def test_greedy_text_survives_connection_cuts(
     assert turn.seq == turn.usage.completion_tokens
 
 
+@pytest.mark.parametrize("codec", ["msgpack", "json"])
+async def test_logprobs_arrive_once_per_token_across_connection_cuts(
+    server_port: int, proxy: CutProxy, codec: str
+) -> None:
+    """Every token's entry exactly once, in order, through cuts and replays; the same
+    entries as an uninterrupted run's."""
+    params = {**GREEDY, "max_new_tokens": 120, "ignore_eos": True, "logprobs": True}
+    params["top_logprobs"] = 2
+    async with connect(direct_url(server_port), api_key=API_KEY) as client:
+        whole = await client.start(prompt="The history of the world", params=params)
+        await whole.wait()
+    assert len(whole.logprobs) == 120
+    assert all(len(e["top_logprobs"]) == 2 for e in whole.logprobs)
+    async with connect(proxy.url, api_key=API_KEY, codec=codec, reconnect=FAST) as client:  # type: ignore[arg-type]
+        turn = await client.start(prompt="The history of the world", params=params)
+        await consume_cutting(turn, proxy, {1, 2, 4})
+    assert turn.text == whole.text
+    assert [e["token"] for e in turn.logprobs] == [e["token"] for e in whole.logprobs]
+    assert [e["logprob"] for e in turn.logprobs] == pytest.approx(
+        [e["logprob"] for e in whole.logprobs], abs=1e-5
+    )
+
+
 async def test_generation_goes_on_while_disconnected(server_port: int, proxy: CutProxy) -> None:
     expected = await reference(server_port, "Once upon a time", max_new_tokens=64)
     async with connect(proxy.url, api_key=API_KEY, reconnect=FAST) as client:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -54,6 +55,16 @@ def sse_events(raw: bytes) -> tuple[list[dict[str, Any] | str], str | None]:
         if data is not None:
             out.append(data if data == "[DONE]" else json.loads(data))
     return out, last_id
+
+
+def chunk_logprobs(events: list[dict[str, Any] | str]) -> list[dict[str, Any]]:
+    """The logprobs entries of a stream's chunks, in order."""
+    return [
+        entry
+        for event in events
+        if isinstance(event, dict) and event.get("choices")
+        for entry in (event["choices"][0]["logprobs"] or {}).get("content", [])
+    ]
 
 
 def content(events: list[dict[str, Any] | str]) -> str:
@@ -130,6 +141,19 @@ async def test_openai_sdk_against_the_real_model(tmp_path: Path) -> None:
             extra_body={"min_tokens": 20},
         )  # fmt: skip
         assert held.usage is not None and held.usage.completion_tokens >= 20
+        # logprobs: the answer's tokens spell its text; greedy drew the most likely each
+        # time, and the model is sure of the capital.
+        scored = await client.chat.completions.create(
+            model="wsinfer", messages=question, temperature=0, max_tokens=32,  # type: ignore[arg-type]
+            logprobs=True, top_logprobs=2,
+        )  # fmt: skip
+        assert scored.choices[0].message.content == first_answer
+        logprobs = scored.choices[0].logprobs
+        entries = logprobs.content or [] if logprobs is not None else []
+        assert b"".join(bytes(e.bytes or []) for e in entries).decode() == first_answer
+        assert all(e.top_logprobs[0].token == e.token for e in entries)
+        paris = next(e for e in entries if "Paris" in e.token)
+        assert paris.logprob > math.log(0.5), paris
     finally:
         assert stop_serve(process) == 0
 
@@ -150,6 +174,56 @@ async def test_openai_sdk_streams_and_reports_usage(serve: tuple[int, Path]) -> 
         await openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key="wrong"
         ).models.list()
+
+
+async def test_openai_sdk_logprobs_whole_streamed_and_resumed(
+    serve: tuple[int, Path], http: httpx.AsyncClient
+) -> None:
+    """One entry per generated token (none asked: none given), the same entries
+    whole and streamed, and a stream resumed part-way gives the rest of them."""
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
+    asked = {**GREEDY, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
+    plain = await client.chat.completions.create(**asked)
+    assert plain.choices[0].logprobs is None
+    whole = await client.chat.completions.create(**asked, logprobs=True, top_logprobs=3)
+    assert whole.choices[0].message.content == plain.choices[0].message.content
+    logprobs = whole.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    entries = logprobs.content
+    assert whole.usage is not None and len(entries) == whole.usage.completion_tokens == 24
+    for entry in entries:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0.0
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely
+        assert entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.bytes is not None and bytes(entry.bytes).decode("utf-8", "replace")
+    stream = await client.chat.completions.create(
+        **asked, logprobs=True, top_logprobs=3, stream=True
+    )
+    streamed = [
+        e
+        async for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content or []
+    ]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+    # Resumed from the middle of the finished turn: the entries after that point.
+    start = await http.post(
+        "/v1/chat/completions", json={**GREEDY, "max_tokens": 24, "ignore_eos": True,
+                                      "logprobs": True, "stream": True}
+    )  # fmt: skip
+    session, token = start.headers["x-wsinfer-session"], start.headers["x-wsinfer-token"]
+    blocks = start.content.split(b"\n\n")
+    head, last_id = sse_events(b"\n\n".join(blocks[:6]) + b"\n\n")  # the role, 5 deltas
+    rest = await http.get(
+        f"/v1/sessions/{session}/stream",
+        headers={"Last-Event-ID": str(last_id), "X-Wsinfer-Token": token},
+    )
+    tail, _ = sse_events(rest.content)
+    seen, after = chunk_logprobs(head), chunk_logprobs(tail)
+    assert len(seen) >= 5
+    assert len(seen) + len(after) == 24
+    assert [x["token"] for x in seen + after] == [e.token for e in entries]
 
 
 # --- SSE resume -----------------------------------------------------------------------
@@ -334,7 +408,8 @@ BAD_COMPLETIONS: list[tuple[Any, int, str | None]] = [
     ({**GREEDY, "messages": [{"role": "wizard", "content": "x"}]}, 400, "bad_request"),
     ({**GREEDY, "messages": [{"role": "user", "content": None}]}, 400, "bad_request"),
     ({**GREEDY, "n": 3}, 400, "unsupported"),
-    ({**GREEDY, "logprobs": True}, 400, "unsupported"),
+    ({**GREEDY, "top_logprobs": 2}, 400, "bad_request"),  # needs logprobs: true
+    ({**GREEDY, "logprobs": True, "top_logprobs": 21}, 400, "bad_request"),
     ({**GREEDY, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported"),
     ({**GREEDY, "temperature": 9}, 400, "bad_request"),
     ({**GREEDY, "top_p": 0}, 400, "bad_request"),

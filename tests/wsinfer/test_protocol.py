@@ -173,6 +173,38 @@ def test_deltas_without_text_advance_seq_but_send_nothing() -> None:
     assert sent(proto) == [{"type": "delta", "session": "s", "turn": 1, "seq": 2, "text": "é"}]
 
 
+def entry(token: str) -> dict[str, Any]:
+    return {"token": token, "logprob": -0.5, "bytes": list(token.encode()), "top_logprobs": []}
+
+
+def test_logprobs_ride_with_their_text_held_back_and_merged() -> None:
+    """Each delta carries the entries of its text's tokens: those of a token whose text
+    was held back go out with the next text; merged deltas keep every entry, in order;
+    a duplicate adds none."""
+    proto = json_proto()
+    proto.follow("s", 1, after=0)
+    proto.deliver("s", 1, [DeltaEvent(1, "", [240], logprobs=[entry("\ufffd")])])
+    assert sent(proto) == []
+    proto.deliver("s", 1, [DeltaEvent(2, "é", [169], logprobs=[entry("\ufffd")])])
+    (first,) = sent(proto)
+    assert first["text"] == "é" and first["logprobs"] == [entry("\ufffd")] * 2
+    proto.deliver(
+        "s",
+        1,
+        [
+            DeltaEvent(3, "a", [1], logprobs=[entry("a")]),
+            DeltaEvent(3, "a", [1], logprobs=[entry("a")]),  # a duplicate
+            DeltaEvent(4, "b", [2], logprobs=[entry("b")]),
+            DeltaEvent(5, "c", [3], logprobs=[entry("c")]),
+        ],
+    )
+    (merged,) = sent(proto)
+    assert merged["text"] == "abc" and merged["seq"] == 5
+    assert merged["logprobs"] == [entry("a"), entry("b"), entry("c")]
+    proto.deliver("s", 1, [DeltaEvent(6, "d", [4])])  # a turn that did not ask: no key
+    assert "logprobs" not in sent(proto)[0]
+
+
 def test_resume_after_seq_skips_what_the_client_has() -> None:
     proto = json_proto()
     proto.follow("s", 2, after=2)

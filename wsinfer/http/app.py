@@ -221,23 +221,31 @@ class HttpApp:
         if chat.stream:
             return self._sse_response(peer, completion, headers, chat.include_usage, after=0)
         try:
-            return await self._whole(peer, completion, headers)
+            return await self._whole(peer, completion, headers, chat.generate.params.logprobs)
         finally:
             self.close_peer(peer)
 
     async def _whole(
-        self, peer: HttpPeer, completion: Completion, headers: list[tuple[str, str]]
+        self,
+        peer: HttpPeer,
+        completion: Completion,
+        headers: list[tuple[str, str]],
+        asked_logprobs: bool = False,
     ) -> HttpResponse:
         """Wait for the turn's ``done`` (through pauses: a paused turn may be resumed)."""
         text: list[str] = []
+        logprobs: list[dict[str, Any]] | None = [] if asked_logprobs else None
         while True:
             for message in await peer.messages(KEEPALIVE_S):
                 if message["type"] == "delta":
                     text.append(message["text"])
+                    if logprobs is not None:
+                        logprobs += message.get("logprobs") or ()
                 elif message["type"] == "done" and message["finish_reason"] == "error":
                     return error_response(turn_error(message), headers)
                 elif message["type"] == "done":
-                    return HttpResponse.json(200, completion.whole("".join(text), message), headers)
+                    whole = completion.whole("".join(text), message, logprobs)
+                    return HttpResponse.json(200, whole, headers)
 
     def _sse_response(
         self,

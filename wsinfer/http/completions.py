@@ -37,6 +37,7 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "logprobs": (None,),
+    "top_logprobs": (None, 0),
     "suffix": (None, ""),
 }
 
@@ -46,7 +47,9 @@ def parse_completion_request(
 ) -> ChatRequest:
     """Validate a ``POST /v1/completions`` body as a ``generate`` with a ``prompt``."""
     data = json_object(body)
+    # Its logprobs is an integer with a shape of its own (not offered yet): no top_logprobs.
     known = {"model", "prompt", "stream", "stream_options", "max_tokens", *PARAMS}
+    known -= {"logprobs", "top_logprobs"}
     check_fields(data, known, _OFF_VALUES, IGNORED)
     check_model(data, model)
     stream = flag(data, "stream")
@@ -79,7 +82,12 @@ class TextCompletion(Completion):
     def opening(self) -> dict[str, Any] | None:
         return None  # text has no role: the first chunk carries text
 
-    def chunk(self, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(
+        self,
+        delta: dict[str, str],
+        finish_reason: str | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         reason = None if finish_reason is None else openai_finish_reason(finish_reason)
         choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None}
         return self._envelope(OBJECT, choices=[{**choice, "finish_reason": reason}])
@@ -87,7 +95,9 @@ class TextCompletion(Completion):
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return self._envelope(OBJECT, choices=[], usage=openai_usage(usage))
 
-    def whole(self, text: str, done: dict[str, Any]) -> dict[str, Any]:
+    def whole(
+        self, text: str, done: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         reason = openai_finish_reason(done["finish_reason"])
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         return self._envelope(OBJECT, choices=[choice], usage=openai_usage(done["usage"]))

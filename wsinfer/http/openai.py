@@ -41,8 +41,6 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -59,6 +57,8 @@ PARAMS = {
     "repetition_penalty": "repetition_penalty",
     "ignore_eos": "ignore_eos",
     "min_tokens": "min_tokens",
+    "logprobs": "logprobs",
+    "top_logprobs": "top_logprobs",
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -290,20 +290,32 @@ class Completion:
         """The stream's first chunk, before any text: the assistant's role."""
         return self.chunk({"role": "assistant", "content": ""})
 
-    def chunk(self, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(
+        self,
+        delta: dict[str, str],
+        finish_reason: str | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         reason = None if finish_reason is None else openai_finish_reason(finish_reason)
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": chat_logprobs(logprobs),
+            "finish_reason": reason,
+        }
         return self._envelope(OBJECT_CHUNK, choices=[choice])
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return self._envelope(OBJECT_CHUNK, choices=[], usage=openai_usage(usage))
 
-    def whole(self, text: str, done: dict[str, Any]) -> dict[str, Any]:
+    def whole(
+        self, text: str, done: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         message = {"role": "assistant", "content": text, "refusal": None}
         choice = {
             "index": 0,
             "message": message,
-            "logprobs": None,
+            "logprobs": chat_logprobs(logprobs),
             "finish_reason": openai_finish_reason(done["finish_reason"]),
         }
         return self._envelope(
@@ -313,6 +325,11 @@ class Completion:
     def _envelope(self, kind: str, **fields: Any) -> dict[str, Any]:
         head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
         return {**head, "system_fingerprint": None, **fields}
+
+
+def chat_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A choice's ``logprobs``: the deltas' entries (already in OpenAI's shape)."""
+    return None if entries is None else {"content": entries, "refusal": None}
 
 
 def openai_finish_reason(reason: str) -> str:
@@ -361,7 +378,8 @@ def sse_for(completion: Completion, message: dict[str, Any], include_usage: bool
     """
     kind = message["type"]
     if kind == "delta":
-        return sse(completion.chunk({"content": message["text"]}), message["seq"])
+        chunk = completion.chunk({"content": message["text"]}, logprobs=message.get("logprobs"))
+        return sse(chunk, message["seq"])
     if kind == "paused":
         return f": paused at seq {message['seq']}\n\n".encode()
     if kind == "error":

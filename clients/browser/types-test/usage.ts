@@ -24,6 +24,17 @@ async function ask(question: string): Promise<string> {
   return done.finishReason === "length" ? text + "…" : text;
 }
 
+// How sure the model was of each token of an answer.
+async function confidence(question: string): Promise<number[]> {
+  const turn = client.generate({
+    messages: [{ role: "user", content: question }],
+    params: { temperature: 0, logprobs: true, top_logprobs: 3 },
+  });
+  turn.addEventListener("delta", (e) => console.log(e.detail.logprobs?.[0]?.top_logprobs?.[0]?.token));
+  await turn.finished;
+  return turn.logprobs.map((entry) => Math.exp(entry.logprob));
+}
+
 // Resume after a reload: the answer continues from the last seq, no gap, no repeat.
 const restored: WsinferTurn | null = client.restoreTurn();
 if (restored) {
