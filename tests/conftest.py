@@ -9,8 +9,10 @@ each test: the next test sees a warm engine and an empty Redis.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -108,3 +110,77 @@ def engine_stack(module_stack: Stack) -> Iterator[Stack]:
         stack.stop()
     module_stack.check_alive()
     forget_sessions(module_stack.redis_url)
+
+
+# --- the test tiers -------------------------------------------------------------------
+#
+# ``pytest -m "not slow"`` is the fast tier a developer runs before each commit (a few
+# minutes on 2 cores); ``pytest`` (what .ci/run runs) runs both. Slow is whatever
+# starts processes (an engine, ``wsinfer serve``, a browser, Redis Cluster or
+# Sentinel), loads the real model, builds packages, or explores thousands of
+# interleavings. Tests that use these fixtures are marked here; a module or test that
+# starts processes itself carries ``pytest.mark.slow``.
+SLOW_FIXTURES = frozenset(
+    {
+        "stack",  # engines and frontends of the test's own
+        "module_stack",
+        "engine_stack",
+        "engine",  # tests/cluster_mode: an engine on a Redis Cluster
+        "browser",  # Chromium
+        "wsinfer_server",  # tests/browser: a serve for the page
+        "smol",  # the real SmolLM2
+    }
+)
+
+
+# Modules whose tests start such processes themselves, or explore interleavings.
+SLOW_MODULES = frozenset(
+    {
+        "tests/test_benchmarks.py",  # each benchmark's smoke run, most on a real stack
+        "tests/engine/test_engine_metrics.py",  # engine processes, scraped
+        "tests/sessions/test_sentinel.py",  # Redis Sentinel and replicas
+        "tests/wsinfer/test_http.py",  # a tiny-model serve for the module, the real model
+        "tests/wsinfer/test_http_transport.py",
+        "tests/wsinfer/test_hostile_clients.py",
+        "tests/wsinfer/test_serve.py",
+        "tests/wsinfer/test_serve_redis.py",
+        "tests/wsinfer/test_logs.py",
+        "tests/wsinfer/test_fanin_model.py",  # thousands of fan-in interleavings
+        "tests/clients/test_client_model.py",  # thousands of client replay orders
+        "tests/clients/test_client_e2e.py",
+        "tests/clients/test_readme_resume.py",
+        "tests/browser/test_package.py",  # npm's tsc
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    for item in items:
+        module = Path(str(item.path)).relative_to(root).as_posix()
+        fixtures = getattr(item, "fixturenames", ())
+        if module in SLOW_MODULES or SLOW_FIXTURES.intersection(fixtures):
+            item.add_marker(pytest.mark.slow)
+
+
+class _FastTierPopen(subprocess.Popen):  # type: ignore[type-arg]
+    """``subprocess.Popen`` in a fast-tier test: a wsinfer process is refused, so a
+    test that starts one and is not marked slow fails at once instead of slowing the
+    tier down unnoticed."""
+
+    def __init__(self, args: Any, *rest: Any, **kwargs: Any) -> None:
+        command = [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
+        if command[1:3] == ["-m", "wsinfer"]:
+            raise RuntimeError(
+                "this test starts a wsinfer process: mark it @pytest.mark.slow "
+                "(or list its module or fixture in tests/conftest.py)"
+            )
+        super().__init__(args, *rest, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_wsinfer_process(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setattr(subprocess, "Popen", _FastTierPopen)

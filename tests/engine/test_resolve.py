@@ -178,6 +178,7 @@ def test_a_gguf_file_and_the_default_resolve_to_the_file() -> None:
     assert resolve_spec(str(default.path)) == default
 
 
+@pytest.mark.slow  # an engine process
 def test_the_engine_serves_a_hub_id_from_an_offline_cache(tmp_path: Path) -> None:
     """The real command with the real environment variables (read at import), one line
     on failure: what a user sees with HF_HOME and HF_HUB_OFFLINE=1."""
@@ -203,6 +204,7 @@ def test_the_engine_serves_a_hub_id_from_an_offline_cache(tmp_path: Path) -> Non
     assert "HF_HUB_OFFLINE=1" in out[1] and len(out) == 2
 
 
+@pytest.mark.slow  # a serve
 async def test_serve_answers_with_a_hub_id_from_an_offline_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

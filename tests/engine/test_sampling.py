@@ -154,6 +154,7 @@ def test_filtered_rows_race_only_their_set() -> None:
     importlib.util.find_spec("triton") is None,
     reason="triton is not installed (the test extra installs it on linux x86_64 only)",
 )
+@pytest.mark.slow  # the Triton interpreter: ~25 s
 def test_triton_race_draws_the_torch_tokens_under_the_interpreter() -> None:
     """engine/sampling_triton.py run by Triton's CPU interpreter against the torch path:
     B 1, 3, 64 x V 1000, 49152, SAMPLE and FILTERED, greedy rows, penalties, ties,

@@ -131,6 +131,7 @@ WS_CASES: list[tuple[str, bytes, int]] = [
 ]
 
 
+@pytest.mark.slow  # a frontend process
 async def test_client_input_gets_a_4xx_on_both_doors_and_the_log_stays_quiet(
     redis_url: str, tmp_path: Path
 ) -> None:

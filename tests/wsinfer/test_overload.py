@@ -139,6 +139,7 @@ def test_http_says_the_wait_to_the_millisecond() -> None:
     assert headers == {"Retry-After": "3", "retry-after-ms": "2346"}
 
 
+@pytest.mark.slow  # a real serve
 def test_the_burst_benchmark_runs_both_modes_on_a_real_serve() -> None:
     from benchmarks.bench_overload import main
 
