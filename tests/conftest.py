@@ -163,14 +163,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
 
 
+# Whether the test being set up or run is in the slow tier (outside tests: no guard).
+_current_test_is_slow = True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of ``item``, module- and session-scoped ones included."""
+    global _current_test_is_slow
+    _current_test_is_slow = item.get_closest_marker("slow") is not None
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    global _current_test_is_slow
+    _current_test_is_slow = True
+
+
 class _FastTierPopen(subprocess.Popen):  # type: ignore[type-arg]
-    """``subprocess.Popen`` in a fast-tier test: a wsinfer process is refused, so a
-    test that starts one and is not marked slow fails at once instead of slowing the
-    tier down unnoticed."""
+    """``subprocess.Popen`` for the whole run: in a fast-tier test (its fixtures
+    included) a wsinfer process is refused, so a test that starts one and is not
+    marked slow fails at once instead of slowing the tier down unnoticed."""
 
     def __init__(self, args: Any, *rest: Any, **kwargs: Any) -> None:
         command = [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
-        if command[1:3] == ["-m", "wsinfer"]:
+        if not _current_test_is_slow and command[1:3] == ["-m", "wsinfer"]:
             raise RuntimeError(
                 "this test starts a wsinfer process: mark it @pytest.mark.slow "
                 "(or list its module or fixture in tests/conftest.py)"
@@ -178,9 +194,4 @@ class _FastTierPopen(subprocess.Popen):  # type: ignore[type-arg]
         super().__init__(args, *rest, **kwargs)
 
 
-@pytest.fixture(autouse=True)
-def _fast_tier_starts_no_wsinfer_process(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if request.node.get_closest_marker("slow") is None:
-        monkeypatch.setattr(subprocess, "Popen", _FastTierPopen)
+subprocess.Popen = _FastTierPopen  # type: ignore[misc]
