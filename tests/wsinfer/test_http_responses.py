@@ -479,3 +479,68 @@ def test_sequence_numbers_follow_the_turn_seq() -> None:
         assert numbers(tail) == [n for n in numbers(everything) if n > after]
         if tail and after >= HEAD + 2:
             assert tail[-1]["response"]["output"][0]["content"][0]["text"] == "ab"
+
+
+def test_include_logprobs_and_top_logprobs_ask_for_log_probabilities() -> None:
+    assert not request().generate.params.logprobs
+    asked = request(include=["message.output_text.logprobs"], top_logprobs=2).generate.params
+    assert asked.logprobs and asked.top_logprobs == 2
+    assert request(top_logprobs=3).generate.params.logprobs  # as OpenAI: top implies them
+    assert request(include=[]).generate.params.logprobs is False
+    for bad in ({"include": ["reasoning.encrypted_content"]}, {"include": "x"}):
+        with pytest.raises(OpenAIError, match="include"):
+            request(**bad)
+    with pytest.raises(OpenAIError, match="top_logprobs"):
+        request(top_logprobs=21)
+
+
+def lp(token: str) -> dict[str, Any]:
+    return {"token": token, "logprob": -1.0, "bytes": list(token.encode()), "top_logprobs": []}
+
+
+def test_a_resumed_readers_closing_events_carry_every_entry() -> None:
+    """The deltas carry their own entries; the closing events and the final response
+    carry the whole output's, those before the reader's resume point included."""
+    params = GenerationParams(logprobs=True)
+    view = ResponseView(ResponseId("s", 1, "t"), "m", 5, params)
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0}
+    events = ResponseEvents(view, HEAD + 2)  # had the opening and the first delta
+    out = events.delta(4, "b", [lp("b")])
+    out += events.closing({"seq": 4, "finish_reason": "stop", "usage": usage}, "a", [lp("a")])
+    parsed = parse_sse(out.decode())
+    assert parsed[0]["logprobs"] == [lp("b")]
+    assert parsed[1]["type"] == "response.output_text.done"
+    assert parsed[1]["text"] == "ab" and parsed[1]["logprobs"] == [lp("a"), lp("b")]
+    assert parsed[2]["part"]["logprobs"] == [lp("a"), lp("b")]
+    final = parsed[-1]["response"]
+    assert final["output"][0]["content"][0]["logprobs"] == [lp("a"), lp("b")]
+    assert final["top_logprobs"] == 0
+
+
+@pytest.mark.slow
+async def test_logprobs_through_the_sdk_whole_streamed_resumed_and_retrieved(
+    http: httpx.AsyncClient, sdk: openai.AsyncOpenAI
+) -> None:
+    """The fake model is sure of every word: log-probability 0, itself the top one."""
+    asked: dict[str, Any] = {
+        "model": "wsinfer", "input": "story", "max_output_tokens": 40,
+        "include": ["message.output_text.logprobs"], "top_logprobs": 1,
+    }  # fmt: skip
+    whole = await sdk.responses.create(**asked)
+    entries = whole.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert entries is not None and len(entries) == 40 and whole.top_logprobs == 1
+    assert "".join(e.token for e in entries) == whole.output_text
+    assert all(e.logprob == 0.0 and e.top_logprobs[0].token == e.token for e in entries)
+    first = await cut_stream(http, {**asked, "stream": True}, 10)
+    rid = first[0]["response"]["id"]
+    stream = await sdk.responses.retrieve(rid, stream=True, starting_after=numbers(first)[-1])
+    rest = [e async for e in stream]
+    streamed = [x for e in first if e["type"].endswith("text.delta") for x in e["logprobs"]]
+    streamed += [x.token for e in rest if e.type.endswith("text.delta") for x in e.logprobs]  # type: ignore[union-attr]
+    tokens = [x if isinstance(x, str) else x["token"] for x in streamed]
+    done = rest[-4]
+    assert done.type == "response.output_text.done" and len(done.logprobs) == 40  # type: ignore[union-attr]
+    assert tokens == [x.token for x in done.logprobs]  # type: ignore[union-attr]
+    again = await sdk.responses.retrieve(rid)
+    kept = again.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert kept is not None and [x.token for x in kept] == tokens

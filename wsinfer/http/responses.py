@@ -45,17 +45,17 @@ MAX_ID_PART = 256  # a session id or token longer than this is none we issued
 
 _KNOWN = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
-    "stream", "background", "previous_response_id", "metadata",
+    "stream", "background", "previous_response_id", "metadata", "include", "top_logprobs",
 }  # fmt: skip
+# What ``include`` may ask for: the output text's log-probabilities.
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 _IGNORED = IGNORED | {"truncation", "prompt_cache_key", "safety_identifier", "stream_options"}
 # Accepted only at the value that means "feature off".
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
-    "include": (None, []),
     "text": (None, {"format": {"type": "text"}}),
     "reasoning": (None,),
-    "top_logprobs": (None, 0),
     "max_tool_calls": (None,),
     "conversation": (None,),
     "prompt": (None,),
@@ -143,7 +143,23 @@ def parse_response_request(body: bytes, limits: Limits, model: str) -> ResponseR
 
 def _params(data: dict[str, Any]) -> dict[str, Any]:
     names = {"max_output_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p"}
-    return {ours: data[theirs] for theirs, ours in names.items() if data.get(theirs) is not None}
+    params = {ours: data[theirs] for theirs, ours in names.items() if data.get(theirs) is not None}
+    top = data.get("top_logprobs")
+    if _include(data.get("include")) or top:
+        params["logprobs"] = True  # checked, with top_logprobs, by the protocol's rules
+    if top is not None:
+        params["top_logprobs"] = top
+    return params
+
+
+def _include(raw: Any) -> bool:
+    """Whether ``include`` asks for the output's log-probabilities (nothing else is kept)."""
+    if raw is None or raw == []:
+        return False
+    if not isinstance(raw, list) or any(item != INCLUDE_LOGPROBS for item in raw):
+        message = f"include may only hold {INCLUDE_LOGPROBS!r} here"
+        raise bad_request(message, "include", "unsupported")
+    return True
 
 
 def _previous(raw: Any) -> ResponseId | None:
@@ -253,9 +269,14 @@ class ResponseView:
     metadata: dict[str, str] = field(default_factory=dict)
 
     def body(
-        self, status: str, text: str | None, done: dict[str, Any] | None = None
+        self,
+        status: str,
+        text: str | None,
+        done: dict[str, Any] | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """The response object: ``text`` None before the output message exists."""
+        """The response object: ``text`` None before the output message exists;
+        ``logprobs`` its tokens' entries (for a response that asked)."""
         incomplete = error = usage = None
         if done is not None:
             status, incomplete, error = outcome(done)
@@ -273,24 +294,27 @@ class ResponseView:
             "max_output_tokens": self.params.max_new_tokens,
             "metadata": self.metadata,
             "model": self.model,
-            "output": [] if text is None else [self.item(status, text)],
+            "output": [] if text is None else [self.item(status, text, logprobs)],
             "parallel_tool_calls": False,
             "previous_response_id": None if previous is None else str(previous),
             "temperature": self.params.temperature,
             "text": {"format": {"type": "text"}},
             "tool_choice": "none",
             "tools": [],
+            "top_logprobs": self.params.top_logprobs,
             "top_p": self.params.top_p,
             "truncation": "disabled",
             "usage": usage,
         }
 
-    def item(self, status: str, text: str | None) -> dict[str, Any]:
+    def item(
+        self, status: str, text: str | None, logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         """The output message; an item is only ever in progress, completed or incomplete."""
         item_status = status if status in ("in_progress", "completed") else "incomplete"
         if status == "queued":
             item_status = "in_progress"
-        content = [] if text is None else [_part(text)]
+        content = [] if text is None else [_part(text, logprobs)]
         return {
             "id": self.rid.item_id,
             "type": "message",
@@ -300,8 +324,8 @@ class ResponseView:
         }
 
 
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def event(kind: str, number: int, **fields: Any) -> bytes:
@@ -318,6 +342,7 @@ class ResponseEvents:
         self.view = view
         self.after = after
         self.text: list[str] = []  # the text streamed to this reader
+        self.logprobs: list[dict[str, Any]] = []  # and its tokens' entries
         self.last = after  # the last sequence number this reader has
 
     @property
@@ -336,26 +361,34 @@ class ResponseEvents:
         ]
         return self._numbered(0, events)
 
-    def delta(self, seq: int, text: str) -> bytes:
+    def delta(self, seq: int, text: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
         number = HEAD + seq
         if number <= self.after:  # the resume's replay starts after it: never the case
             return b""
         self.text.append(text)
+        self.logprobs += logprobs or ()
         self.last = number
         item = {"item_id": self.view.rid.item_id, "output_index": 0, "content_index": 0}
-        return event("response.output_text.delta", number, **item, delta=text, logprobs=[])
+        fields = {**item, "delta": text, "logprobs": logprobs or []}
+        return event("response.output_text.delta", number, **fields)
 
-    def closing(self, done: dict[str, Any], before: str) -> bytes:
-        """The four events after the ``done``; ``before``: the text this reader
-        had before its stream started (the resume's ``after``)."""
+    def closing(
+        self, done: dict[str, Any], before: str, before_logprobs: list[dict[str, Any]] | None = None
+    ) -> bytes:
+        """The four events after the ``done``; ``before`` (``before_logprobs``): the
+        text (entries) this reader had before its stream started (the resume's ``after``)."""
         view, text = self.view, before + "".join(self.text)
+        lps = (before_logprobs or []) + self.logprobs
         status = outcome(done)[0]
         item = {"item_id": view.rid.item_id, "output_index": 0, "content_index": 0}
         events: list[tuple[str, dict[str, Any]]] = [
-            ("response.output_text.done", {**item, "text": text, "logprobs": []}),
-            ("response.content_part.done", {**item, "part": _part(text)}),
-            ("response.output_item.done", {"output_index": 0, "item": view.item(status, text)}),
-            (f"response.{status}", {"response": view.body(status, text, done)}),
+            ("response.output_text.done", {**item, "text": text, "logprobs": lps}),
+            ("response.content_part.done", {**item, "part": _part(text, lps)}),
+            (
+                "response.output_item.done",
+                {"output_index": 0, "item": view.item(status, text, lps)},
+            ),
+            (f"response.{status}", {"response": view.body(status, text, done, lps)}),
         ]
         return self._numbered(HEAD + done["seq"] + 1, events)
 

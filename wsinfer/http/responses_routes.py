@@ -160,12 +160,12 @@ class ResponsesRoutes:
     async def _event_for(self, events: ResponseEvents, message: dict[str, Any]) -> bytes:
         kind = message["type"]
         if kind == "delta":
-            return events.delta(message["seq"], message["text"])
+            return events.delta(message["seq"], message["text"], message.get("logprobs"))
         if kind == "paused":  # a comment: the stream stays open and goes on when resumed
             return f": paused at seq {message['seq']}\n\n".encode()
         if kind == "done":
-            before = await self._text(events.view.rid, upto=events.seq_after)
-            return events.closing(message, before)
+            before, before_logprobs = await self._text(events.view.rid, upto=events.seq_after)
+            return events.closing(message, before, before_logprobs)
         if kind == "error":  # the follow failed (a refusal): OpenAI's error event ends it
             fields = {"code": message["code"], "message": message["message"], "param": None}
             return event("error", events.last + 1, **fields)
@@ -176,14 +176,16 @@ class ResponsesRoutes:
     ) -> HttpResponse:
         """Wait for the turn's ``done`` (through pauses: a paused turn may be resumed)."""
         text: list[str] = []
+        logprobs: list[dict[str, Any]] = []
         while True:
             for message in await peer.messages(KEEPALIVE_S):
                 if message["type"] == "delta":
                     text.append(message["text"])
+                    logprobs += message.get("logprobs") or ()
                 elif message["type"] == "done" and message["finish_reason"] == "error":
                     raise turn_error(message)
                 elif message["type"] == "done":
-                    body = view.body("completed", "".join(text), message)
+                    body = view.body("completed", "".join(text), message, logprobs)
                     return HttpResponse.json(200, body, headers)
 
     # --- reads ------------------------------------------------------------------------
@@ -225,19 +227,27 @@ class ResponsesRoutes:
         """The response object as of now, from the turn's events in Redis."""
         view = await self._view(rid, info)
         events, _ = await self.frontend.store.read_turn(rid.session, rid.turn)
-        text = "".join(e.text for e in events if isinstance(e, DeltaEvent))
+        text, logprobs = _output(events, upto=None)
         done = next((e for e in reversed(events) if isinstance(e, DoneEvent)), None)
         if done is not None:
-            return view.body("completed", text, done_message(rid.session, rid.turn, done))
+            message = done_message(rid.session, rid.turn, done)
+            return view.body("completed", text, message, logprobs)
         status = live_status(info.status) if rid.turn == info.turn else "in_progress"
-        return view.body(status, text if events else None)
+        return view.body(status, text if events else None, logprobs=logprobs)
 
-    async def _text(self, rid: ResponseId, upto: int) -> str:
-        """The text of the turn's deltas up to seq ``upto``: what a resumed reader had."""
+    async def _text(self, rid: ResponseId, upto: int) -> tuple[str, list[dict[str, Any]]]:
+        """The text (and logprobs entries) of the turn's deltas up to seq ``upto``: what
+        a resumed reader had."""
         if upto <= 0:
-            return ""
+            return "", []
         events, _ = await self.frontend.store.read_turn(rid.session, rid.turn)
-        return "".join(e.text for e in events if isinstance(e, DeltaEvent) and e.seq <= upto)
+        return _output(events, upto)
+
+
+def _output(events: list[Any], upto: int | None) -> tuple[str, list[dict[str, Any]]]:
+    """The text and logprobs entries of ``events``' deltas (up to seq ``upto``)."""
+    deltas = [e for e in events if isinstance(e, DeltaEvent) and (upto is None or e.seq <= upto)]
+    return "".join(e.text for e in deltas), [x for e in deltas for x in e.logprobs or ()]
 
 
 def _headers(rid: ResponseId) -> list[tuple[str, str]]:
