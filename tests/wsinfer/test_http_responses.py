@@ -485,7 +485,7 @@ def test_include_logprobs_and_top_logprobs_ask_for_log_probabilities() -> None:
     assert not request().generate.params.logprobs
     asked = request(include=["message.output_text.logprobs"], top_logprobs=2).generate.params
     assert asked.logprobs and asked.top_logprobs == 2
-    assert request(top_logprobs=3).generate.params.logprobs  # as OpenAI: top implies them
+    assert request(top_logprobs=3).generate.params.logprobs  # top_logprobs alone asks too
     assert request(include=[]).generate.params.logprobs is False
     for bad in ({"include": ["reasoning.encrypted_content"]}, {"include": "x"}):
         with pytest.raises(OpenAIError, match="include"):
