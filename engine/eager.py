@@ -104,9 +104,8 @@ class EagerEngineCore(CoreBase):
         if not seqs:
             return []
         all_logits = torch.cat(logits)
-        wanted = [i for i, s in enumerate(seqs) if s.request.params.logprobs]
         buffers = None
-        if wanted:  # before sampling, which may change the logits in place
+        if any(s.request.params.logprobs for s in seqs):  # before sampling: it may edit them
             buffers = LogprobBuffers(len(seqs), all_logits.device)
             model_lp = model_logprobs(all_logits)
         tokens_t = self._sample(seqs, all_logits)

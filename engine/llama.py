@@ -60,6 +60,14 @@ class Linear:
         """Rows ``start:end`` of the [out, in] weight, as a view."""
         return self.weight[:, start:end].t() if self.transposed else self.weight[start:end]
 
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[1 if self.transposed else 0])
+
+    def matrix(self) -> torch.Tensor:
+        """The whole [out, in] weight, as a view."""
+        return self.part(0, self.out_features)
+
 
 def _weight(module: Any) -> torch.Tensor:
     """[out, in] weight of an ``nn.Linear`` or of the engine's ``PackedLinear``."""
@@ -108,11 +116,11 @@ class LayerWeights:
         qkv = [attn.qkv_proj] if family.fused_weights else [attn.q_proj, attn.k_proj, attn.v_proj]
         self.qkv = _fused(qkv, transposed)
         self.o = Linear(_weight(attn.o_proj), _bias(attn.o_proj), transposed)
-        _share(attn.o_proj, self.o.part(0, self.o.weight.shape[1 if transposed else 0]))
+        _share(attn.o_proj, self.o.matrix())
         gate_up = [mlp.gate_up_proj] if family.fused_weights else [mlp.gate_proj, mlp.up_proj]
         self.gate_up = _fused(gate_up, transposed)
         self.down = Linear(_weight(mlp.down_proj), None, transposed)
-        _share(mlp.down_proj, self.down.part(0, self.down.weight.shape[1 if transposed else 0]))
+        _share(mlp.down_proj, self.down.matrix())
         self.eps = eps
         self.family = family
         # The norm of attention's input and output, and of the MLP's (None: not normed).

@@ -187,7 +187,7 @@ def quantized_model(fast: FastLlama, gguf: Path) -> FastLlama:
         _quantize_layer(layer, i, tensors, fast)
     head = fast.lm_head
     assert isinstance(head, Linear)
-    quant.lm_head = Int8Linear(head.part(0, head.weight.shape[1 if head.transposed else 0]))
+    quant.lm_head = Int8Linear(head.matrix())
     return quant
 
 
@@ -199,17 +199,12 @@ def _quantize_layer(layer: Any, i: int, tensors: GgufTensors, fast: FastLlama) -
         tensors.q4_1(v),
     ]
     width = sum(part[0].shape[0] for part in qkv)
-    if width != layer.qkv(torch.zeros(1, _in_features(layer.qkv))).shape[-1]:
+    if width != layer.qkv.out_features:
         raise QuantError(f"{tensors.path.name}: layer {i}'s q/k/v do not match the model")
     layer.qkv = int4_linear(qkv)
     layer.o = int4_linear([tensors.q4_1(o)])
     layer.gate_up = int4_linear([tensors.q4_1(gate), tensors.q4_1(up)])
     layer.down = int4_linear([tensors.q4_1(down)])
-
-
-def _in_features(linear: Any) -> int:
-    weight = linear.weight
-    return int(weight.shape[0] if linear.transposed else weight.shape[1])
 
 
 def cpu_quantized_model(model: Any, fast: FastLlama, gguf: Path) -> FastLlama:
