@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 import torch
 
+from .attention_cpu import batch_invariant_here
 from .batch import DecodeRows
 from .eager import EagerEngineCore
 from .kvbuffer import common_prefix
@@ -78,6 +79,7 @@ class EngineCore(CoreBase):
         if transposed and cfg.quantized_cpu_weights and loaded.gguf is not None:
             self.model = cpu_quantized_model(loaded.model, self.model, loaded.gguf)
         self.vocab_size = self.model.vocab_size
+        self._check_cpu_attention()
         max_blocks = -(-self.max_context // cfg.block_size)
         self.pool = self._allocate_pool()
         offload = torch.device("cpu") if cfg.kv_offload_cpu and on_cuda else None
@@ -107,6 +109,21 @@ class EngineCore(CoreBase):
             )
 
     # --- set-up ----------------------------------------------------------------
+
+    def _check_cpu_attention(self) -> None:
+        """Warn where this CPU's kernels break the batch-invariant attention's premises:
+        tokens would then still be exactly-once, but a seeded turn could draw others
+        alone than batched, or after a takeover."""
+        model = self.model
+        if self.device.type != "cpu" or model.attn_softcap is not None:
+            return
+        shape = (model.num_heads, model.num_kv_heads, model.head_dim, self.config.block_size)
+        if not batch_invariant_here(*shape):
+            log.warning(
+                "CPU attention is not batch-invariant on this machine: seeded turns may "
+                "draw differently in another batch or after a takeover",
+                cpu=torch.backends.cpu.get_cpu_capability(),
+            )
 
     def _allocate_pool(self) -> KVPool:
         cfg, model = self.config, self.model

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from wsinfer.sessions.schema import GenerationParams
 
 from .attention import decode_attention, prefill_softcapped_attention
+from .attention_cpu import InvariantAttention, TiledAttention
 from .batch import DecodeRows
 from .kvpool import KVPool
 from .llama import FastLlama
@@ -49,8 +50,19 @@ log = logging.getLogger("wsinfer.engine.runner")
 _POS, _LEN, _SLOT, _SRC, _INDEX = range(5)
 
 
+def use_invariant_attention(pool: KVPool, softcap: float | None) -> bool:
+    """Attention through ``InvariantAttention``: on the CPU, but for soft-capped scores
+    (Gemma 2), which keep the torch path's explicit softmax."""
+    return pool.k.device.type == "cpu" and softcap is None
+
+
 class DecodeContext:
-    """Attention of one new token per row over its blocks in the pool."""
+    """Attention of one new token per row over its blocks in the pool.
+
+    On the CPU (but for soft-capped scores) through ``InvariantAttention``, planned at
+    the first layer: a row's output does not depend on the rest of the batch, and is
+    the very one a prefill over the same tokens computes.
+    """
 
     def __init__(
         self,
@@ -64,11 +76,24 @@ class DecodeContext:
     ) -> None:
         self.pool, self.slots, self.scale, self.softcap = pool, slots, scale, softcap
         self.block_tables, self.seq_lens, self.max_len = block_tables, seq_lens, max_len
+        self.invariant = use_invariant_attention(pool, softcap)
+        self._plan: InvariantAttention | None = None
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.pool.write(layer, self.slots, k, v)
+        if self.invariant:
+            if self._plan is None:
+                self._plan = InvariantAttention(
+                    self.block_tables,
+                    (self.seq_lens.long() - 1)[:, None],
+                    self.pool.block_size,
+                    q.shape[1],
+                    k.shape[1],
+                )
+            out = self._plan(q[:, None], self.pool.k[layer], self.pool.v[layer], self.scale)
+            return out[:, 0].to(q.dtype)
         return decode_attention(
             q,
             self.pool.k[layer],
@@ -97,7 +122,9 @@ class PrefillContext:
 
     The chunks arrive flattened; attention runs on a padded ``[rows, chunk]``
     layout against each row's KV gathered from the pool (prefill is compute-bound,
-    one gather per layer is cheap next to it).
+    one gather per layer is cheap next to it). On the CPU (but for soft-capped
+    scores) through ``InvariantAttention``: a query's output is the one a decode
+    step computes for it, so a turn rebuilt from its tokens has the very KV it had.
     """
 
     def __init__(
@@ -121,14 +148,32 @@ class PrefillContext:
         self.slots = upload(np.concatenate(slots), device)
         self.pad_index = upload(np.concatenate(pad_index), device)
         self.table = upload(table, device)
-        self.mask = _prefill_mask(pieces, self.width, blocks * bs, device)
-        self.hidden_keys = ~self.mask.any(dim=2)[:, 0, :, None, None]  # [R, L, 1, 1]
+        self.plan: TiledAttention | None = None
+        self.query_pos: torch.Tensor | None = None
+        if use_invariant_attention(pool, softcap):
+            self.query_pos = torch.from_numpy(_query_positions(pieces, self.width))
+        else:
+            self.mask = _prefill_mask(pieces, self.width, blocks * bs, device)
+            self.hidden_keys = ~self.mask.any(dim=2)[:, 0, :, None, None]  # [R, L, 1, 1]
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.pool.write(layer, self.slots, k, v)
         heads, dim = q.shape[1], q.shape[2]
+        padded = q.new_zeros(self.rows * self.width, heads, dim)
+        padded[self.pad_index] = q
+        if self.query_pos is not None:
+            if self.plan is None:
+                bs, kv_heads = self.pool.block_size, k.shape[1]
+                self.plan = TiledAttention(self.table, self.query_pos, bs, heads, kv_heads)
+            out = self.plan(
+                padded.view(self.rows, self.width, heads, dim),
+                self.pool.k[layer],
+                self.pool.v[layer],
+                self.scale,
+            )
+            return out.reshape(-1, heads, dim)[self.pad_index].to(q.dtype)
         # Slots no query may see (never written, or another row's padding) can hold
         # anything, NaN included (the CPU pool is not zeroed), and a masked NaN key
         # still poisons its row's softmax: zero them on both sides.
@@ -139,8 +184,6 @@ class PrefillContext:
         if groups > 1:
             keys = keys.repeat_interleave(groups, dim=2)
             values = values.repeat_interleave(groups, dim=2)
-        padded = q.new_zeros(self.rows * self.width, heads, dim)
-        padded[self.pad_index] = q
         padded = padded.view(self.rows, self.width, heads, dim).transpose(1, 2)
         # Never-written slots may hold anything: keep them out of softmax(.) @ V too.
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
@@ -153,6 +196,16 @@ class PrefillContext:
                 padded, keys, values, self.mask, self.scale, self.softcap
             )
         return out.transpose(1, 2).reshape(-1, heads, dim)[self.pad_index]
+
+
+def _query_positions(pieces: list[PrefillPiece], width: int) -> np.ndarray:
+    """[rows, width] int64: each query's position; a padding query (past its row's
+    chunk) repeats the chunk's first, so it sees nothing its row's queries do not."""
+    positions = np.zeros((len(pieces), width), dtype=np.int64)
+    for r, piece in enumerate(pieces):
+        positions[r] = piece.start
+        positions[r, : piece.end - piece.start] = np.arange(piece.start, piece.end)
+    return positions
 
 
 def _prefill_mask(

@@ -409,3 +409,24 @@ def test_bench_weight_formats_compares_each_format_with_float32() -> None:
     assert [row[0] for row in rows] == ["float32", "quantized"]
     float32 = rows[0]
     assert float32[3] == "1.00x / 1.00x" and float32[4] == "0.00000" and float32[5] == "100.0%"
+
+
+def test_bench_cpu_attention_times_both_attention_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    script = load_script("bench_cpu_attention")
+    monkeypatch.setattr(script, "DECODE", [(1, 40), (3, 70)])
+    monkeypatch.setattr(script, "PREFILL", [(20, 90)])
+    rows = data_rows(script.layer_table(1).splitlines())
+    assert [(row[0], row[1], row[2]) for row in rows] == [
+        ("decode", "1 x 1", "40"),
+        ("decode", "3 x 1", "70"),
+        ("prefill", "1 x 20", "90"),
+    ]
+    assert all(float(row[3]) > 0 and row[5].endswith("x") for row in rows)
+    chosen = script.runner.use_invariant_attention
+    rows = data_rows(script.engine_table(tiny(), 1, 3).splitlines())
+    assert [row[0] for row in rows] == [
+        "1 stream, tok/s",
+        "8 streams, tok/s",
+        "512-token prefill, s",
+    ]
+    assert script.runner.use_invariant_attention is chosen  # put back
