@@ -207,8 +207,10 @@ def long_greedy(smol: LoadedModel, n: int) -> GenerationParams:
 
 
 def test_real_model_matches_transformers_greedy_for_hundreds_of_tokens(smol: LoadedModel) -> None:
-    """Batch 1, then rows of different lengths in one batch: token for token."""
+    """Batch 1, then rows of different lengths in one batch: token for token. The float32
+    weights (transformers' own); the quantized format is checked in test_quant.py."""
     no_eos = dataclasses.replace(smol, eos_token_ids=set())
+    float32 = EngineConfig(quantized_cpu_weights=False)
     questions = [
         "Write a long story about a dragon who learns to cook.",
         "Explain in detail how the internet works.",
@@ -217,10 +219,11 @@ def test_real_model_matches_transformers_greedy_for_hundreds_of_tokens(smol: Loa
     ids = [render_chat(smol.tokenizer, [{"role": "user", "content": q}]) for q in questions]
     lengths = [256, 96, 160]
     expected = [reference_greedy(no_eos, row, n) for row, n in zip(ids, lengths, strict=True)]
-    single = EngineCore(no_eos)
+    single = EngineCore(no_eos, float32)
     single.add(request("one", ids[0], long_greedy(smol, lengths[0])))
     assert tokens_of(run_all(single)["one"]) == expected[0]
-    batch = EngineCore(no_eos, EngineConfig(max_batch_size=4, cuda_graphs=True))
+    batch_config = dataclasses.replace(float32, max_batch_size=4, cuda_graphs=True)
+    batch = EngineCore(no_eos, batch_config)
     for i, row in enumerate(ids):
         batch.add(request(f"r{i}", row, long_greedy(smol, lengths[i])))
     outputs = run_all(batch)

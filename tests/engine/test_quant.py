@@ -160,9 +160,14 @@ def test_a_core_falls_back_to_float32_when_the_gguf_does_not_fit(
     assert len(tokens_of(run_all(core)["a"])) == 3
 
 
-def test_quantized_weights_are_used_only_when_asked(smol: LoadedModel) -> None:
-    assert not isinstance(EngineCore(smol).model.layers[0].qkv, Int4Linear)
-    quant = EngineCore(smol, EngineConfig(quantized_cpu_weights=True))
+def test_quantized_weights_are_the_default_and_float32_is_one_flag_away(
+    smol: LoadedModel,
+) -> None:
+    assert not isinstance(
+        EngineCore(smol, EngineConfig(quantized_cpu_weights=False)).model.layers[0].qkv,
+        Int4Linear,
+    )
+    quant = EngineCore(smol)
     assert all(isinstance(layer.qkv, Int4Linear) for layer in quant.model.layers)
     head = quant.model.lm_head
     assert isinstance(head, Int8Linear)
@@ -180,13 +185,13 @@ QUESTIONS = [
 def test_the_quantized_core_draws_the_same_tokens_alone_batched_and_taken_over(
     smol: LoadedModel,
 ) -> None:
-    """The real model, quantized: seeded turns draw the same tokens and
+    """The real model in the default (quantized) format: seeded turns draw the same tokens and
     log-probabilities, float for float, run alone or four together, and a core rebuilt
     from a turn's token log part-way goes on with the very tokens (the KV it recomputes
     by prefill is the KV decode wrote). bfloat16 at every layer's input would round up
     any difference in attention's last bit (engine/attention_cpu.py)."""
     no_eos = dataclasses.replace(smol, eos_token_ids=set())
-    config = EngineConfig(max_batch_size=4, quantized_cpu_weights=True)
+    config = EngineConfig(max_batch_size=4)
     seeded = GenerationParams(max_new_tokens=48, temperature=0.8, seed=11, logprobs=True)
     prompts = [render_chat(smol.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
 
@@ -206,3 +211,12 @@ def test_the_quantized_core_draws_the_same_tokens_alone_batched_and_taken_over(
         for cut in (5, 29):
             rebuilt = run([("t", prompt, tokens[:cut])])["t"]
             assert rebuilt == (tokens[cut:], logprobs[cut:]), f"turn {i} from token {cut}"
+
+
+def test_the_quantized_core_knows_the_capital_of_france(smol: LoadedModel) -> None:
+    ids = render_chat(
+        smol.tokenizer, [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    core = EngineCore(smol)
+    core.add(request("a", ids, GenerationParams(max_new_tokens=16, temperature=0.0)))
+    assert "Paris" in smol.tokenizer.decode(tokens_of(run_all(core)["a"]))

@@ -202,12 +202,20 @@ def test_a_busy_port_is_reported_before_anything_heavy_is_imported(tmp_path: Pat
     assert "torch" not in imported and "transformers" not in imported
 
 
-def test_quantized_cpu_weights_are_opt_in_and_reach_serves_engine(
+def test_quantized_cpu_weights_are_the_default_and_opting_out_reaches_serves_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    assert engine_configs(engine_args())[1].quantized_cpu_weights is True
+    off = engine_args("--no-quantized-cpu-weights")
+    assert engine_configs(off)[1].quantized_cpu_weights is False
+    for flag, expected in [
+        ("--no-quantized-cpu-weights", False),
+        ("--quantized-cpu-weights", True),
+    ]:
+        serve = build_parser().parse_args(["serve", flag])
+        core = engine_configs(engine_args(*_engine_argv(serve)))[1]
+        assert core.quantized_cpu_weights is expected
+    monkeypatch.setenv("WSINFER_QUANTIZED_CPU_WEIGHTS", "0")
     assert engine_configs(engine_args())[1].quantized_cpu_weights is False
-    assert engine_configs(engine_args("--quantized-cpu-weights"))[1].quantized_cpu_weights
-    serve = build_parser().parse_args(["serve", "--quantized-cpu-weights"])
-    assert engine_configs(engine_args(*_engine_argv(serve)))[1].quantized_cpu_weights
     monkeypatch.setenv("WSINFER_QUANTIZED_CPU_WEIGHTS", "1")
-    assert engine_configs(engine_args())[1].quantized_cpu_weights
+    assert engine_configs(off)[1].quantized_cpu_weights is False  # the flag wins
