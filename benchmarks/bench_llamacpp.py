@@ -1,7 +1,7 @@
 """`wsinfer serve` against llama.cpp's `llama-server` on the same GGUF, same client.
 
     python benchmarks/bench_llamacpp.py [--streams 1,8] [--tokens 128] [--threads 2]
-        [--parallel 8] [--rounds 3] [--wsinfer-arg=--quantized-cpu-weights]
+        [--parallel 8] [--rounds 3] [--wsinfer-arg=--no-quantized-cpu-weights]
         [--llamacpp-bin DIR | --no-llamacpp] [--gguf FILE]
 
 llama.cpp is what a CPU user runs instead (Ollama, LM Studio and llama-server are
