@@ -219,5 +219,7 @@ def cpu_quantized_model(model: Any, fast: FastLlama, gguf: Path) -> FastLlama:
     except QuantError as exc:
         log.warning("quantized CPU weights unavailable; float32", reason=str(exc))
         return fast
+    int4 = sum(isinstance(layer.qkv, Int4Linear) for layer in quant.layers)
+    log.info("quantized CPU weights", file=gguf.name, int4_layers=int4, output_layer="int8")
     model._wsinfer_quantized = quant
     return quant

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
+import structlog
 import torch
 
 from tests.engine.conftest import run_all, tokens_of
@@ -19,6 +21,7 @@ from wsinfer.engine.quant import (
     Int4Linear,
     Int8Linear,
     QuantError,
+    cpu_quantized_model,
     dequantize_q4_1,
     int4_linear,
     q4_1_parts,
@@ -220,3 +223,20 @@ def test_the_quantized_core_knows_the_capital_of_france(smol: LoadedModel) -> No
     core = EngineCore(smol)
     core.add(request("a", ids, GenerationParams(max_new_tokens=16, temperature=0.0)))
     assert "Paris" in smol.tokenizer.decode(tokens_of(run_all(core)["a"]))
+
+
+def test_an_engine_says_its_cpu_weights_are_quantized(smol: LoadedModel) -> None:
+    assert smol.gguf is not None
+    fast = fast_model_for(smol.model, 64, True)
+    with structlog.testing.capture_logs() as logs:
+        cpu_quantized_model(types.SimpleNamespace(), fast, smol.gguf)  # not cached there
+    said = [e for e in logs if e["event"] == "quantized CPU weights"]
+    assert said == [
+        {
+            "event": "quantized CPU weights",
+            "log_level": "info",
+            "file": smol.gguf.name,
+            "int4_layers": 30,
+            "output_layer": "int8",
+        }
+    ]
