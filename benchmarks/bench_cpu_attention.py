@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +34,11 @@ from wsinfer.engine.core import EngineConfig, EngineCore
 from wsinfer.engine.lifecycle import EngineRequest
 from wsinfer.engine.model import LoadedModel, load_model
 from wsinfer.engine.sampling import GenerationParams
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # the decode timing of bench_weight_formats
+    sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.bench_weight_formats import speed  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DECODE = [(1, 100), (1, 1000), (8, 100), (8, 1000)]
@@ -135,21 +142,6 @@ def attention_path(invariant: bool) -> Iterator[None]:
         runner.use_invariant_attention = chosen
 
 
-def decode_speed(core: EngineCore, loaded: LoadedModel, streams: int, tokens: int) -> float:
-    ids = list(loaded.tokenizer.encode("Tell me a story about a dragon."))
-    for row in range(streams):
-        params = GenerationParams(max_new_tokens=tokens + 1, temperature=0.7, seed=row,
-                                  ignore_eos=True)  # fmt: skip
-        core.add(EngineRequest(request_id=f"s{time.monotonic_ns()}-{row}", prompt_ids=ids,
-                               params=params))  # fmt: skip
-    core.step()  # the prefill
-    started, steps = time.perf_counter(), 0
-    while core.has_unfinished():
-        core.step()
-        steps += 1
-    return streams * steps / (time.perf_counter() - started)
-
-
 def prefill_seconds(core: EngineCore, length: int) -> float:
     params = GenerationParams(max_new_tokens=1, temperature=0.0)
     prompt = [(7 * i) % 5000 + 100 for i in range(length)]
@@ -169,8 +161,8 @@ def engine_table(loaded: LoadedModel, rounds: int, tokens: int) -> str:
             with attention_path(invariant):
                 core = EngineCore(loaded, config)
                 got = {
-                    "1 stream, tok/s": decode_speed(core, loaded, 1, tokens),
-                    "8 streams, tok/s": decode_speed(core, loaded, 8, tokens),
+                    "1 stream, tok/s": speed(core, loaded, 1, tokens),
+                    "8 streams, tok/s": speed(core, loaded, 8, tokens),
                     "512-token prefill, s": prefill_seconds(core, 512),
                 }
             for name, value in got.items():
