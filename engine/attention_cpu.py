@@ -3,12 +3,12 @@
 A query's output here depends only on the query and the keys and values it may
 see: not on which other rows share the step, how far they pad it, whether the
 query came alone (decode) or among a prompt's (prefill), or how the prompt was
-chunked. Decode and prefill both run through ``invariant_attention``, so a turn
-rebuilt from its token log after a takeover recomputes the very KV it had, and
-draws the very tokens it would have drawn. SDPA gives no such promise: its
-reduction order follows the padded length and the number of queries, and those
-last-bit differences, rounded to bfloat16 at the next quantized layer's input,
-change a draw every few dozen tokens.
+chunked. Decode and prefill (``TiledAttention``) both run through
+``InvariantAttention``, so a turn rebuilt from its token log after a takeover
+recomputes the very KV it had, and draws the very tokens it would have drawn.
+SDPA gives no such promise: its reduction order follows the padded length and
+the number of queries, and those last-bit differences, rounded to bfloat16 at the
+next quantized layer's input, change a draw every few dozen tokens.
 
 How, in torch ops whose order of arithmetic was measured not to move
 (``tests/engine/test_attention_cpu.py`` checks each on the machine it runs on):

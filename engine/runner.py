@@ -148,12 +148,13 @@ class PrefillContext:
         self.slots = upload(np.concatenate(slots), device)
         self.pad_index = upload(np.concatenate(pad_index), device)
         self.table = upload(table, device)
+        query_pos = torch.from_numpy(_query_positions(pieces, self.width))
         self.plan: TiledAttention | None = None
         self.query_pos: torch.Tensor | None = None
         if use_invariant_attention(pool, softcap):
-            self.query_pos = torch.from_numpy(_query_positions(pieces, self.width))
+            self.query_pos = query_pos
         else:
-            self.mask = _prefill_mask(pieces, self.width, blocks * bs, device)
+            self.mask = _prefill_mask(query_pos, blocks * bs, device)
             self.hidden_keys = ~self.mask.any(dim=2)[:, 0, :, None, None]  # [R, L, 1, 1]
 
     def __call__(
@@ -208,19 +209,9 @@ def _query_positions(pieces: list[PrefillPiece], width: int) -> np.ndarray:
     return positions
 
 
-def _prefill_mask(
-    pieces: list[PrefillPiece], width: int, columns: int, device: torch.device
-) -> torch.Tensor:
-    """[rows, 1, width, columns] bool: key j is visible to the query at position p if j <= p.
-
-    Padding queries (past a row's chunk) see key 0 only, so their discarded output
-    stays finite.
-    """
-    starts = torch.tensor([p.start for p in pieces])
-    lengths = torch.tensor([p.end - p.start for p in pieces])
-    offsets = torch.arange(width)
-    query_pos = starts.unsqueeze(1) + offsets.unsqueeze(0)  # [R, W]
-    query_pos = torch.where(offsets.unsqueeze(0) < lengths.unsqueeze(1), query_pos, 0)
+def _prefill_mask(query_pos: torch.Tensor, columns: int, device: torch.device) -> torch.Tensor:
+    """[rows, 1, width, columns] bool: key j is visible to the query at position p if
+    j <= p (``query_pos`` [rows, width] from ``_query_positions``)."""
     keys = torch.arange(columns)
     mask = keys.view(1, 1, -1) <= query_pos.unsqueeze(2)
     return upload(mask.unsqueeze(1), device)
