@@ -5,7 +5,9 @@ loop, publish its outputs. Each step
 
 1. ends pending aborts and pauses (their KV is retained in the pool);
 2. admits waiting requests while the batch and the pool have room, starting
-   from a session's retained KV where it matches;
+   from a session's retained KV where it matches, or from the longest prefix
+   of whole blocks any earlier prompt left in the pool (automatic prefix
+   caching, ``blocks.BlockAllocator``: shared read-only, whatever the session);
 3. launches one decode step for every running row (a captured CUDA graph on
    a GPU: the model, paged attention and sampling, no host sync) and one
    prefill forward over up to ``prefill_chunk_tokens`` newcomer tokens;
@@ -28,6 +30,7 @@ import torch
 
 from .attention_cpu import batch_invariant_here
 from .batch import DecodeRows
+from .blocks import ROOT
 from .eager import EagerEngineCore
 from .kvbuffer import common_prefix
 from .kvpool import KVHandles, KVPool
@@ -45,6 +48,12 @@ log = structlog.get_logger("wsinfer.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
+# A newcomer whose prompt begins with at least this many tokens of an earlier newcomer's
+# waits for that one to compute them (and put them in the prefix cache) instead of
+# computing them too: 32 sessions arriving with one long system prompt prefill it once.
+# Prompts sharing less (a chat template's header) are not worth a step's wait.
+SHARED_PREFIX_WAIT_TOKENS = 128
+
 
 @dataclass(eq=False)
 class _Seq(Sequence):
@@ -52,6 +61,9 @@ class _Seq(Sequence):
     row: int | None = None  # decode row
     target: int = 0  # prefill: context tokens to compute before the first draw
     pending: int = 0  # tokens sampled on the device, not yet seen by the host
+    chain: list[int] = field(default_factory=list)  # prefix-cache nodes of its full blocks
+    looked_up: bool = False  # the prefix cache was searched since its admission
+    preempted: bool = False
 
 
 @dataclass
@@ -82,6 +94,7 @@ class EngineCore(CoreBase):
         self._check_cpu_attention()
         max_blocks = -(-self.max_context // cfg.block_size)
         self.pool = self._allocate_pool()
+        self.prefix_caching = cfg.prefix_caching
         offload = torch.device("cpu") if cfg.kv_offload_cpu and on_cuda else None
         self.store = KVHandles(self.pool, cfg.kv_cache_bytes, offload)
         self.rows = DecodeRows(cfg.max_batch_size, max_blocks, cfg.block_size)
@@ -102,6 +115,11 @@ class EngineCore(CoreBase):
         self.gpu_idle_seconds = 0.0
         self.steps = 0
         self.preemptions = 0
+        self.prefill_tokens = 0  # prompt tokens that went through the model
+        # Prompt tokens of admitted requests, and those their prefill was spared by a kept
+        # or shared KV cache (vllm:prefix_cache_queries / _hits).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self._last_end: torch.cuda.Event | None = None
         if cfg.cuda_graphs if cfg.cuda_graphs is not None else on_cuda:
             self.graph_capture_seconds = self.runner.capture_graphs(
@@ -137,9 +155,12 @@ class EngineCore(CoreBase):
             # are only touched as blocks are used.
             budget = cfg.kv_cache_bytes + cfg.max_batch_size * self.max_context * per_token
         blocks = max(2, budget // (per_token * cfg.block_size))
+        # Blocks of the prefix cache nobody holds are kept within the retained caches'
+        # budget: beyond it the oldest go back to the free list.
+        idle = cfg.kv_cache_bytes // (per_token * cfg.block_size)
         return KVPool(
             model.num_layers, blocks, cfg.block_size, model.num_kv_heads, model.head_dim,
-            model.dtype, model.device,
+            model.dtype, model.device, idle,
         )  # fmt: skip
 
     def _host_buffer(self) -> torch.Tensor:
@@ -217,6 +238,57 @@ class EngineCore(CoreBase):
         seq.blocks = blocks[:keep]
         seq.computed = seq.cached_tokens = max(0, reuse)
 
+    def _share_cached_prefix(self, seq: _Seq) -> None:
+        """Start ``seq`` from the longest run of registered blocks holding its prompt's
+        beginning, where that is longer than what its session's retained KV gave it."""
+        size = self.config.block_size
+        nodes: list[int] = []
+        if self.prefix_caching:
+            allocator = self.pool.blocks
+            nodes, blocks = allocator.match(seq.tokens, allocator.limit_for(len(seq.tokens)))
+            if len(blocks) * size > seq.computed:
+                allocator.share(blocks)
+                self.pool.release(seq.blocks)
+                seq.blocks, seq.computed = blocks, len(blocks) * size
+        seq.chain = nodes[: seq.computed // size]
+        self._own_partial_block(seq)
+        seq.looked_up = True
+        if not seq.preempted:
+            seq.cached_tokens = seq.computed
+            self.prefix_cache_queries += len(seq.tokens)
+            self.prefix_cache_hits += seq.computed
+
+    def _own_partial_block(self, seq: _Seq) -> None:
+        """The block ``seq`` goes on writing into (a retained turn continued from inside
+        it) must be its own: unregistered, or copied where another sequence shares it."""
+        size = self.config.block_size
+        if seq.computed % size == 0:
+            return
+        i = seq.computed // size
+        block = seq.blocks[i]
+        if self.pool.blocks.writable(block):
+            return
+        fresh = self._allocate(1)
+        if fresh is None:  # no room for a copy: recompute the block's leading tokens
+            seq.computed = i * size
+            self.pool.release(seq.blocks[i:])
+            del seq.blocks[i:]
+            return
+        self.pool.copy_block(block, fresh[0])
+        self.pool.release([block])
+        seq.blocks[i] = fresh[0]
+
+    def _register_full_blocks(self, seq: _Seq) -> None:
+        """Make ``seq``'s newly completed blocks findable by later prompts."""
+        if not self.prefix_caching or not seq.looked_up:
+            return
+        size = self.config.block_size
+        full = min(seq.computed, len(seq.tokens)) // size
+        chain, register = seq.chain, self.pool.blocks.register
+        for i in range(len(chain), full):
+            tokens = seq.tokens[i * size : (i + 1) * size]
+            chain.append(register(chain[-1] if chain else ROOT, tokens, seq.blocks[i]))
+
     def _allocate(self, n: int) -> list[int] | None:
         """``n`` blocks, evicting retained caches (least recently used first) as needed."""
         while self.pool.free_blocks < n and self.store.evict_oldest():
@@ -291,8 +363,9 @@ class EngineCore(CoreBase):
         log.warning("kv pool full; preempting", request=seq.id, tokens=len(seq.tokens))
         self.preemptions += 1
         self._leave_batch(seq)
-        self.pool.release(seq.blocks)
-        seq.blocks, seq.computed = [], 0
+        self.pool.release(seq.blocks)  # its full blocks stay findable: recomputing is cheap
+        seq.blocks, seq.computed, seq.chain = [], 0, []
+        seq.looked_up, seq.preempted = False, True
         self._waiting.appendleft(seq)
 
     def _advance_rows(self, decode: list[_Seq | None]) -> None:
@@ -309,7 +382,11 @@ class EngineCore(CoreBase):
         budget = self.config.prefill_chunk_tokens
         done: list[PrefillPiece] = []
         partial: list[PrefillPiece] = []
-        for seq in self._prefilling:
+        for k, seq in enumerate(self._prefilling):
+            if not seq.looked_up:
+                if self._awaits_shared_prefix(seq, self._prefilling[:k]):
+                    continue
+                self._share_cached_prefix(seq)
             n = min(seq.target - seq.computed, budget)
             if n <= 0 or not self._ensure_prefill_blocks(seq, seq.computed + n):
                 break
@@ -317,6 +394,24 @@ class EngineCore(CoreBase):
             (done if piece.end == seq.target else partial).append(piece)
             budget -= n
         return done + partial
+
+    def _awaits_shared_prefix(self, seq: _Seq, earlier: list[_Seq]) -> bool:
+        """Whether ``seq`` should wait a step: its prompt begins with at least
+        ``SHARED_PREFIX_WAIT_TOKENS`` of an earlier newcomer's, which is still to compute
+        the next block ``seq`` could share. Waiting, it shares that block instead of
+        computing it a second time; prompts that share only a short header never wait."""
+        if not self.prefix_caching or not earlier:
+            return False
+        size, allocator = self.config.block_size, self.pool.blocks
+        limit = allocator.limit_for(len(seq.tokens)) * size
+        if limit < SHARED_PREFIX_WAIT_TOKENS:
+            return False
+        _, blocks = allocator.match(seq.tokens, limit // size)
+        want = max(seq.computed, len(blocks) * size) + size
+        if want > limit:
+            return False
+        head = seq.tokens[: max(want, SHARED_PREFIX_WAIT_TOKENS)]
+        return any(p.computed < want <= p.target and p.tokens[: len(head)] == head for p in earlier)
 
     def _ensure_prefill_blocks(self, seq: _Seq, tokens: int) -> bool:
         missing = self.pool.blocks_for(tokens) - len(seq.blocks)
@@ -332,6 +427,8 @@ class EngineCore(CoreBase):
         self.runner.prefill(pieces, draws, any(s.request.params.logprobs for s in complete))
         for piece in pieces:
             piece.seq.computed = piece.end
+            self.prefill_tokens += piece.end - piece.start
+            self._register_full_blocks(piece.seq)
         for j, seq in enumerate(complete):
             self._prefilling.remove(seq)
             self._join_batch(seq, self.runner.max_rows + j)
@@ -371,6 +468,7 @@ class EngineCore(CoreBase):
         outputs = []
         for seq, i in rows:
             if self._seqs.get(seq.id) is seq:  # not ended or aborted since the launch
+                self._register_full_blocks(seq)
                 seq.pending -= 1
                 params = seq.request.params
                 lp = None
@@ -389,6 +487,7 @@ class EngineCore(CoreBase):
     def _retain(self, seq: _Seq) -> int | None:
         key = seq.request.cache_key
         length = min(seq.computed, len(seq.tokens))
+        self._register_full_blocks(seq)
         if key is None or length == 0:
             return None
         stored = self.store.put(key, seq.tokens[:length], seq.blocks)

@@ -6,7 +6,8 @@ head_dim]`` tensors. A sequence owns a list of blocks (its block table); token
 Nothing is allocated or copied per step: decode writes one slot per row.
 
 Block 0 is never handed out: CUDA-graph padding rows write their (discarded)
-KV there.
+KV there. Which blocks are free or held, and which hold a known prefix that any
+later prompt may share, is ``blocks.BlockAllocator``'s business.
 
 ``RetainedKV`` keeps the cache of a paused or finished turn for the session's
 next request: it holds its blocks in the pool (no copy), or, with offloading,
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .blocks import BlockAllocator
 from .sampling import to_device
 
 SCRATCH_BLOCK = 0
@@ -36,6 +38,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_idle_blocks: int | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError("the KV pool needs at least 2 blocks")
@@ -49,19 +52,26 @@ class KVPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.block_bytes = 2 * self.k[0, 0].numel() * self.k.element_size() * num_layers
-        self._free = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))  # pop() hands out 1, 2, ...
+        self.blocks = BlockAllocator(num_blocks, block_size, SCRATCH_BLOCK + 1, max_idle_blocks)
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return self.blocks.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        return self.blocks.cached_blocks
 
     def allocate(self, n: int) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        return [self._free.pop() for _ in range(n)]
+        return self.blocks.allocate(n)
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        self.blocks.release(blocks)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Every layer's keys and values of block ``src`` into block ``dst``."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` [N, kv_heads, head_dim] at flat slot indices ``slots`` [N]."""

@@ -42,6 +42,9 @@ class EngineConfig:
     quantized_cpu_weights: bool = True
     # --- the paged fast path (Llama family) ---
     block_size: int = 16  # tokens per KV block
+    # Share the KV blocks of any earlier prompt's beginning with a later one that starts
+    # alike, whatever its session (engine/blocks.py).
+    prefix_caching: bool = True
     max_model_len: int | None = None  # context limit; None: the model's, at most 8192
     kv_pool_bytes: int | None = None  # None: CUDA: from free memory; CPU: cache + running
     gpu_memory_reserve_bytes: int = 3 * 2**30  # CUDA: left free for activations and graphs

@@ -186,9 +186,14 @@ class EngineMetrics:
         ).set_function(lambda: self._pool_attr("num_blocks"))
         Gauge(
             "wsinfer_engine_kv_pool_free_blocks",
-            "Blocks neither running rows nor kept caches hold",
+            "Blocks neither running rows nor kept caches hold (idle prefix-cache blocks count)",
             registry=r,
         ).set_function(lambda: self._pool_attr("free_blocks"))
+        Gauge(
+            "wsinfer_engine_kv_pool_cached_blocks",
+            "Blocks a later prompt that starts alike may share (held or idle)",
+            registry=r,
+        ).set_function(lambda: self._pool_attr("cached_blocks"))
         Gauge(
             "wsinfer_engine_kv_cache_usage_perc",
             "Fraction of the KV pool in use, kept caches included (vllm:kv_cache_usage_perc)",
@@ -332,6 +337,15 @@ class _CoreCounters:
         for name, doc in (
             ("gpu_idle_seconds", "GPU time spent waiting for the host between steps"),
             ("preemptions", "Rows sent back to be recomputed for want of KV blocks"),
+            ("prefill_tokens", "Prompt tokens that went through the model"),
+            (
+                "prefix_cache_queries",
+                "Prompt tokens of admitted requests (vllm:prefix_cache_queries)",
+            ),
+            (
+                "prefix_cache_hits",
+                "Of those, tokens a kept or shared KV cache spared (vllm:prefix_cache_hits)",
+            ),
         ):
             value = float(getattr(core, name, 0) or 0)
             yield CounterMetricFamily(f"wsinfer_engine_{name}", doc, value=value)

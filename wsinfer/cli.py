@@ -251,6 +251,14 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
         "from float32's where candidates nearly tie); --no-quantized-cpu-weights: float32",
     )
     parser.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_env_flag("PREFIX_CACHING", default=True),
+        help="share the KV cache of any earlier prompt's beginning with a later prompt "
+        "that starts alike, whatever its session (fast engine); --no-prefix-caching: "
+        "only a session's own kept cache",
+    )
+    parser.add_argument(
         "--prefill-chunk",
         type=_positive_int,
         default=_env("PREFILL_CHUNK", "512"),
@@ -428,6 +436,7 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--kv-offload-cpu"] if args.kv_offload_cpu else []
     argv += ["--no-cuda-graphs"] if args.no_cuda_graphs else []
     argv += [f"--{'' if args.quantized_cpu_weights else 'no-'}quantized-cpu-weights"]
+    argv += [f"--{'' if args.prefix_caching else 'no-'}prefix-caching"]
     for flag in ("max_batch_size", "kv_pool_mb", "max_model_len"):
         value = getattr(args, flag)
         argv += [f"--{flag.replace('_', '-')}", str(value)] if value is not None else []
@@ -504,6 +513,7 @@ def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         max_model_len=args.max_model_len,
         cuda_graphs=False if args.no_cuda_graphs else None,
         quantized_cpu_weights=args.quantized_cpu_weights,
+        prefix_caching=args.prefix_caching,
     )
     return config, core
 

@@ -187,8 +187,34 @@ def test_the_paged_pool_and_core_counters_are_exported(tiny: Any) -> None:
         for s in family.samples
     }
     assert samples["wsinfer_engine_kv_pool_blocks"] == 9
-    held = sum(len(e.blocks) for e in core.store._entries.values())
+    # Both kept caches hold the same prompt's blocks (shared by the prefix cache).
+    held = len({b for e in core.store._entries.values() for b in e.blocks})
     assert held > 0 and samples["wsinfer_engine_kv_pool_free_blocks"] == 9 - 1 - held
     assert samples["wsinfer_engine_kv_cache_usage_perc"] == pytest.approx((1 + held) / 9)
     assert samples["wsinfer_engine_preemptions_total"] >= 1
     assert samples["wsinfer_engine_gpu_idle_seconds_total"] == 0  # CPU: nothing to wait for
+
+
+def test_prefix_cache_counters_are_exported(tiny: Any) -> None:
+    from tests.engine.conftest import run_all
+    from wsinfer.engine.core import EngineCore, EngineRequest
+    from wsinfer.sessions.schema import GenerationParams
+
+    core = EngineCore(tiny)
+    params = GenerationParams(max_new_tokens=4, temperature=0.0)
+    shared = list(range(3, 43))  # 40 tokens: two whole blocks of 16
+    for rid, tail in (("a", [50]), ("b", [60, 61])):
+        core.add(EngineRequest(rid, shared + tail, params))
+        run_all(core)
+    metrics = EngineMetrics(engine_id="e")
+    metrics.attach(core, "tiny", "cpu", 2)
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+    assert samples["wsinfer_engine_prefix_cache_queries_total"] == 41 + 42
+    assert samples["wsinfer_engine_prefix_cache_hits_total"] == 32
+    assert samples["wsinfer_engine_prefill_tokens_total"] == 41 + 42 - 32
+    # a computed tokens 0-43 (2 whole blocks); b shared them, then computed 32-44.
+    assert samples["wsinfer_engine_kv_pool_cached_blocks"] == 2

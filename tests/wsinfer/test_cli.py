@@ -219,3 +219,15 @@ def test_quantized_cpu_weights_are_the_default_and_opting_out_reaches_serves_eng
     assert engine_configs(engine_args())[1].quantized_cpu_weights is False
     monkeypatch.setenv("WSINFER_QUANTIZED_CPU_WEIGHTS", "1")
     assert engine_configs(off)[1].quantized_cpu_weights is False  # the flag wins
+
+
+def test_prefix_caching_is_the_default_and_opting_out_reaches_serves_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert engine_configs(engine_args())[1].prefix_caching is True
+    for flag, expected in [("--no-prefix-caching", False), ("--prefix-caching", True)]:
+        serve = build_parser().parse_args(["serve", flag])
+        core = engine_configs(engine_args(*_engine_argv(serve)))[1]
+        assert core.prefix_caching is expected
+    monkeypatch.setenv("WSINFER_PREFIX_CACHING", "0")
+    assert engine_configs(engine_args())[1].prefix_caching is False

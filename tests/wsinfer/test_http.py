@@ -114,6 +114,14 @@ async def test_openai_sdk_against_the_real_model(tmp_path: Path) -> None:
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert "Paris" in text and chunks[-1].choices == []
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+        # Another session, the same prompt: the prefix cache spared its whole blocks.
+        assert answer.usage.prompt_tokens_details is not None
+        assert answer.usage.prompt_tokens_details.cached_tokens == 0
+        details = chunks[-1].usage.prompt_tokens_details
+        assert (
+            details is not None
+            and details.cached_tokens == (answer.usage.prompt_tokens - 1) // 16 * 16
+        )
         # The same session, next turn: the conversation goes on with its KV cache kept.
         follow_up = [{"role": "user", "content": "And of Italy?"}]
         second = await client.chat.completions.create(
@@ -174,6 +182,48 @@ async def test_openai_sdk_streams_and_reports_usage(serve: tuple[int, Path]) -> 
         await openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key="wrong"
         ).models.list()
+
+
+async def test_a_conversation_resent_in_full_reuses_the_kv_cache_on_every_door(
+    serve: tuple[int, Path],
+) -> None:
+    """What every standard OpenAI client does, no session header: the whole history
+    again. The prefix cache serves the blocks the first turn computed, and both doors
+    say so (``cached_tokens``)."""
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
+    rules = " ".join(f"Rule {i}: answer in {i} words." for i in range(40))
+    system = {"role": "system", "content": f"{random.random()} {rules}"}  # nobody's before
+    first: list[Any] = [system, {"role": "user", "content": "What is a lighthouse?"}]
+    one = await client.chat.completions.create(
+        model="wsinfer", messages=first, temperature=0, max_tokens=8
+    )
+    assert one.usage is not None and one.usage.prompt_tokens > 200
+    assert one.usage.prompt_tokens_details is not None
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    whole_blocks = one.usage.prompt_tokens // 16 * 16  # the first turn's prompt, computed
+    history = first + [
+        {"role": "assistant", "content": one.choices[0].message.content},
+        {"role": "user", "content": "And a harbour?"},
+    ]
+    stream = await client.chat.completions.create(
+        model="wsinfer", messages=history, temperature=0, max_tokens=8,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    usage = [chunk async for chunk in stream][-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens >= whole_blocks
+    ws = await Client.open(serve[0], additional_headers=AUTH)
+    await ws.send(type="generate", messages=history, params={"max_new_tokens": 4})
+    done = (await ws.until("done"))[-1]
+    await ws.close()
+    assert done["usage"]["cached_tokens"] >= usage.prompt_tokens_details.cached_tokens
+    response = await client.responses.create(
+        model="wsinfer",
+        input=history,
+        max_output_tokens=4,  # type: ignore[arg-type]
+    )
+    assert response.usage is not None
+    assert response.usage.input_tokens_details.cached_tokens >= whole_blocks
 
 
 async def test_openai_sdk_logprobs_whole_streamed_and_resumed(
