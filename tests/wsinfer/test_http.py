@@ -166,6 +166,26 @@ async def test_openai_sdk_against_the_real_model(tmp_path: Path) -> None:
         assert stop_serve(process) == 0
 
 
+async def test_the_openai_sdk_reads_a_stream_through_its_keep_alive_comments(
+    tmp_path: Path,
+) -> None:
+    """A stream that waits longer than the keep-alive interval for a token (queued
+    behind others, a slow model) gets an SSE comment. Once an event has carried an
+    ``id``, the official SDK reads a comment followed by a blank line as an event of
+    empty data and fails on it; the comment must be a lone line."""
+    process, port = start_serve(tmp_path, "--model", "fake:0.06")  # a token per ~17 s
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        stream = await client.chat.completions.create(
+            model="wsinfer", messages=PROMPT, max_tokens=2, stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == " lorem ipsum" and chunks[-1].choices[0].finish_reason == "length"
+    finally:
+        assert stop_serve(process) == 0
+
+
 async def test_openai_sdk_streams_and_reports_usage(serve: tuple[int, Path]) -> None:
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
     whole = await client.chat.completions.create(**GREEDY)
@@ -413,6 +433,30 @@ async def test_pause_resume_and_stop_routes_drive_an_open_stream(http: httpx.Asy
     assert deleted.json()["deleted"] is True
     gone = await http.get(f"/v1/sessions/{session}", headers=auth)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found"
+
+
+async def test_the_openai_sdk_reads_a_stream_through_a_pause_and_resume(
+    serve: tuple[int, Path], http: httpx.AsyncClient
+) -> None:
+    """A pause is an SSE comment in the open stream: the official SDK must read past it
+    (it fails on a comment followed by a blank line once events carried an ``id``)."""
+    expected = (await http.post("/v1/chat/completions", json=GREEDY)).json()
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
+    raw = await client.chat.completions.with_raw_response.create(**GREEDY, stream=True)
+    session, token = raw.headers["x-wsinfer-session"], raw.headers["x-wsinfer-token"]
+    chunks = aiter(raw.parse())
+    text = ""
+    while not text:
+        chunk = await anext(chunks)
+        text += chunk.choices[0].delta.content or ""
+    auth = {"X-Wsinfer-Token": token}
+    paused = await http.post(f"/v1/sessions/{session}/pause", headers=auth)
+    assert paused.status_code == 200 and paused.json()["status"] == "paused"
+    resumed = await http.post(f"/v1/sessions/{session}/resume", headers=auth)
+    assert resumed.status_code == 200
+    async for chunk in chunks:
+        text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+    assert text == expected["choices"][0]["message"]["content"]
 
 
 async def test_disconnect_keeps_generating_then_the_idle_limit_pauses(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from wsinfer.handlers import to_protocol_error
 from wsinfer.http.completions import TextCompletion, parse_completion_request
 from wsinfer.http.connection import HttpConnection, HttpRequest, HttpResponse
 from wsinfer.http.openai import (
+    SSE_KEEPALIVE,
     ChatRequest,
     Completion,
     OpenAIError,
@@ -282,7 +283,7 @@ class HttpApp:
         while True:
             messages = await peer.messages(KEEPALIVE_S)
             if not messages:
-                yield b": keep-alive\n\n"
+                yield SSE_KEEPALIVE
             for message in messages:
                 data = sse_for(completion, message, include_usage)
                 if data:

@@ -369,6 +369,18 @@ def sse(data: dict[str, Any] | str, event_id: int | None = None) -> bytes:
 SSE_DONE = sse("[DONE]")
 
 
+def sse_comment(text: str) -> bytes:
+    """An SSE comment: one line, with no blank line after it. A blank line ends an
+    event, and once a stream has carried an ``id`` the official OpenAI SDK reads a blank
+    line that ends no data as an event of empty data, which it fails to parse (a stream
+    waiting 15 s for a token, or paused, broke). Every SSE reader skips a comment line
+    between events."""
+    return f": {text}\n".encode()
+
+
+SSE_KEEPALIVE = sse_comment("keep-alive")
+
+
 def sse_for(completion: Completion, message: dict[str, Any], include_usage: bool) -> bytes:
     """The SSE bytes for one outgoing protocol message of a turn; b"" for none.
 
@@ -381,7 +393,7 @@ def sse_for(completion: Completion, message: dict[str, Any], include_usage: bool
         chunk = completion.chunk({"content": message["text"]}, logprobs=message.get("logprobs"))
         return sse(chunk, message["seq"])
     if kind == "paused":
-        return f": paused at seq {message['seq']}\n\n".encode()
+        return sse_comment(f"paused at seq {message['seq']}")
     if kind == "error":
         error = OpenAIError.from_wsinfer(_as_wsinfer(message))
         return sse(error.body()) + SSE_DONE

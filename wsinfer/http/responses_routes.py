@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from wsinfer.contract import ClientMessageType
 from wsinfer.http.connection import HttpRequest, HttpResponse
-from wsinfer.http.openai import bad_request, turn_error
+from wsinfer.http.openai import SSE_KEEPALIVE, bad_request, sse_comment, turn_error
 from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
 from wsinfer.http.responses import (
     ResponseEvents,
@@ -149,7 +149,7 @@ class ResponsesRoutes:
         while True:
             messages = await peer.messages(KEEPALIVE_S)
             if not messages:
-                yield b": keep-alive\n\n"
+                yield SSE_KEEPALIVE
             for message in messages:
                 out = await self._event_for(events, message)
                 if out:
@@ -162,7 +162,7 @@ class ResponsesRoutes:
         if kind == "delta":
             return events.delta(message["seq"], message["text"], message.get("logprobs"))
         if kind == "paused":  # a comment: the stream stays open and goes on when resumed
-            return f": paused at seq {message['seq']}\n\n".encode()
+            return sse_comment(f"paused at seq {message['seq']}")
         if kind == "done":
             before, before_logprobs = await self._text(events.view.rid, upto=events.seq_after)
             return events.closing(message, before, before_logprobs)
