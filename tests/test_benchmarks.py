@@ -430,3 +430,28 @@ def test_bench_cpu_attention_times_both_attention_paths(monkeypatch: pytest.Monk
         "512-token prefill, s",
     ]
     assert script.runner.use_invariant_attention is chosen  # put back
+
+
+@pytest.mark.slow
+def test_bench_prefix_cache_compares_resent_and_shared_prompts_with_the_cache_off(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    script = load_script("bench_prefix_cache")
+    script.main(
+        ["--model", "tiny", "--history", "300", "--system", "200", "--sessions", "4",
+         "--rounds", "1", "--tokens", "4"]
+    )  # fmt: skip
+    rows = data_rows(capsys.readouterr().out.splitlines())
+    assert [(row[0], row[1]) for row in rows] == [
+        (case, caching)
+        for caching in ("on", "off")
+        for case in (
+            "cold conversation",
+            "the same, resent in full + 1 turn",
+            "4 sessions, one system prompt",
+        )
+    ]
+    cached = {(row[0], row[1]): int(row[3]) for row in rows}
+    assert cached[("the same, resent in full + 1 turn", "on")] > 200
+    assert cached[("4 sessions, one system prompt", "on")] > 0
+    assert all(cached[(case, "off")] == 0 for case, _ in cached)
