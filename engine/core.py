@@ -32,6 +32,7 @@ from .attention_cpu import batch_invariant_here
 from .batch import DecodeRows
 from .blocks import ROOT
 from .eager import EagerEngineCore
+from .grammar import Grammars
 from .kvbuffer import common_prefix
 from .kvpool import KVHandles, KVPool
 from .lifecycle import CoreBase, EngineConfig, EngineRequest, RequestOutput, Sequence
@@ -80,6 +81,8 @@ class _Launch:
 
 
 class EngineCore(CoreBase):
+    grammars: Grammars
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         super().__init__(loaded, config)
         cfg = self.config
@@ -91,6 +94,7 @@ class EngineCore(CoreBase):
         if transposed and cfg.quantized_cpu_weights and loaded.gguf is not None:
             self.model = cpu_quantized_model(loaded.model, self.model, loaded.gguf)
         self.vocab_size = self.model.vocab_size
+        self.grammars = Grammars(loaded.tokenizer, self.vocab_size, loaded.eos_token_ids)
         self._check_cpu_attention()
         max_blocks = -(-self.max_context // cfg.block_size)
         self.pool = self._allocate_pool()
@@ -308,7 +312,8 @@ class EngineCore(CoreBase):
         if decode:
             self._variant = self._variant or variant_of([s.request.params for s in self.rows.seqs])
             logprobs = any(s is not None and s.request.params.logprobs for s in decode)
-            self.runner.decode(self.rows, self._variant, logprobs)
+            allowed = self.grammars.bitmask([s.constraint if s else None for s in decode])
+            self.runner.decode(self.rows, self._variant, logprobs, allowed)
             self._advance_rows(decode)
         prefilled = self._run_prefill(pieces) if pieces else []
         logprobs = logprobs or any(s.request.params.logprobs for s in prefilled)
@@ -324,7 +329,9 @@ class EngineCore(CoreBase):
         row = 0
         while row < len(rows):
             seq = rows.seqs[row]
-            if self._saturated(seq):
+            # A constrained row whose last token is still on the device waits a step:
+            # its grammar needs that token before it can say what may follow.
+            if self._saturated(seq) or (seq.constraint is not None and seq.pending):
                 active.append(None)
             elif not self._ensure_blocks(seq, seq.computed + 1):
                 continue  # a row was preempted (maybe this one): look at this row again
@@ -424,7 +431,9 @@ class EngineCore(CoreBase):
     def _run_prefill(self, pieces: list[PrefillPiece]) -> list[_Seq]:
         complete = [p.seq for p in pieces if p.end == p.seq.target]
         draws = [RowSampling(s.request.params, s.seed, s.num_generated) for s in complete]
-        self.runner.prefill(pieces, draws, any(s.request.params.logprobs for s in complete))
+        logprobs = any(s.request.params.logprobs for s in complete)
+        allowed = self.grammars.bitmask([s.constraint for s in complete])
+        self.runner.prefill(pieces, draws, logprobs, allowed)
         for piece in pieces:
             piece.seq.computed = piece.end
             self.prefill_tokens += piece.end - piece.start

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .cpu_linear import pack_linear_weights
+from .grammar import Grammars, apply_bitmask
 from .kvbuffer import BufferCache, KVBuffer, KVStore, RetainedKV, common_prefix
 from .lifecycle import CoreBase, EngineConfig, RequestOutput, Sequence
 from .logprobs import HostLogprobs, LogprobBuffers, host_copy, model_logprobs
@@ -41,6 +42,8 @@ class _Sequence(Sequence):
 
 
 class EagerEngineCore(CoreBase):
+    grammars: Grammars
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         super().__init__(loaded, config)
         self.model = loaded.model
@@ -52,6 +55,7 @@ class EagerEngineCore(CoreBase):
         self.dtype = next(self.model.parameters()).dtype
         # The end-of-sequence ids, which a row's min_tokens keeps from being drawn.
         self.ends = to_device(sorted(self.eos), self.device)
+        self.grammars = Grammars(loaded.tokenizer, self.vocab_size, loaded.eos_token_ids)
         offload = torch.device("cpu") if self.config.kv_offload_cpu else None
         self.store = KVStore(self.config.kv_cache_bytes, offload)
         self._waiting: deque[_Sequence] = deque()
@@ -108,6 +112,9 @@ class EagerEngineCore(CoreBase):
         if any(s.request.params.logprobs for s in seqs):  # before sampling: it may edit them
             buffers = LogprobBuffers(len(seqs), all_logits.device)
             model_lp = model_logprobs(all_logits)
+        allowed = self.grammars.bitmask([s.constraint for s in seqs])
+        if allowed is not None:
+            all_logits = apply_bitmask(all_logits, allowed)
         tokens_t = self._sample(seqs, all_logits)
         if buffers is not None:
             buffers.record(0, model_lp, tokens_t)

@@ -24,9 +24,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from wsinfer.contract import ErrorCode
 from wsinfer.engine.core import EngineRequest, RequestOutput
 from wsinfer.engine.logprobs import TokenLogprob
-from wsinfer.sessions.schema import FinishReason, Usage
+from wsinfer.sessions.schema import FinishReason, TurnError, Usage
 
 FAKE_PREFIX = "fake:"
 WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
@@ -155,6 +156,17 @@ class FakeCore:
         rid = request.request_id
         if rid in self._streams or any(o.request_id == rid for o in self._immediate):
             raise ValueError(f"duplicate request id {rid!r}")
+        if request.params.response_format is not None:
+            # Its words follow no grammar: refuse rather than answer outside the format.
+            error = TurnError(
+                ErrorCode.BAD_REQUEST, "the fake model cannot follow a response_format"
+            )
+            n = len(request.generated_ids)
+            usage = Usage(len(request.prompt_ids), n, 0)
+            self._immediate.append(
+                RequestOutput(rid, [], "", n, True, "error", usage=usage, error=error)
+            )
+            return
         stream = _Stream(request, time.monotonic(), len(request.generated_ids))
         stream.cached_tokens = self._reuse(request)
         if stream.num_generated >= request.params.max_new_tokens:  # rebuilt, already over

@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from wsinfer.contract import ErrorCode
+from wsinfer.response_format import ResponseFormatError
 from wsinfer.sessions.schema import FinishReason, GenerationParams, TurnError, Usage
 
 from .detokenizer import IncrementalDetokenizer
+from .grammar import Constraint, Grammars
 from .logprobs import TokenBytes, TokenLogprob
 from .model import LoadedModel
 from .sampling import fresh_seed
@@ -90,6 +92,7 @@ class Sequence:
     computed: int = 0  # leading tokens whose KV exists
     cached_tokens: int = 0
     seen: torch.Tensor | None = None  # context-token mask for repetition_penalty
+    constraint: Constraint | None = None  # its response_format's matcher
 
     @property
     def id(self) -> str:
@@ -100,6 +103,7 @@ class CoreBase:
     """Request bookkeeping common to the engine cores; subclasses run the model."""
 
     store: Any  # retained KV caches by cache key (``length``, ``drop``)
+    grammars: Grammars | None = None  # set by the cores whose sampling can be masked
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None) -> None:
         self.loaded = loaded
@@ -123,6 +127,11 @@ class CoreBase:
             self._immediate[rid] = self._error_output(request, error)
             return
         seq = self._new_sequence(request)
+        if request.params.response_format is not None:
+            error = self._constrain(seq)
+            if error is not None:
+                self._immediate[rid] = self._error_output(request, error)
+                return
         done = self._already_done(seq)
         if done is not None:
             self._immediate[rid] = self._final_output(seq, done, [], "")
@@ -182,10 +191,23 @@ class CoreBase:
         tokens = list(request.prompt_ids) + list(request.generated_ids)
         return self._sequence_type()(request, tokens, detok, seed, len(request.generated_ids))
 
+    def _constrain(self, seq: Sequence) -> TurnError | None:
+        """Give ``seq`` its response_format's matcher, past the tokens it already has."""
+        fmt = seq.request.params.response_format
+        if self.grammars is None or fmt is None:
+            return TurnError(ErrorCode.BAD_REQUEST, "this engine cannot follow a response_format")
+        try:
+            seq.constraint = self.grammars.constraint(fmt, seq.request.generated_ids)
+        except ResponseFormatError as exc:
+            return TurnError(ErrorCode.BAD_REQUEST, str(exc))
+        return None
+
     def _already_done(self, seq: Sequence) -> FinishReason | None:
         """A rebuilt turn that had in fact ended (the caller missed its end)."""
         generated = seq.request.generated_ids
         if seq.detok.stopped or (generated and generated[-1] in self._ends(seq.request.params)):
+            return "stop"
+        if generated and seq.constraint is not None and seq.constraint.done:
             return "stop"
         if seq.num_generated >= seq.request.params.max_new_tokens:
             return "length"
@@ -202,6 +224,12 @@ class CoreBase:
             seq.seen[token] = True
         reason: FinishReason | None = None
         logprobs = [logprob] if logprob is not None else []
+        constraint = seq.constraint
+        if constraint is not None and not constraint.accept(token):
+            # The mask lets no such token through: a bug, not the client's doing.
+            message = f"token {token} breaks the turn's response_format"
+            error = TurnError(ErrorCode.INTERNAL, message)
+            return self._final_output(seq, "error", [], seq.detok.flush(), error=error)
         if token in self._ends(seq.request.params):
             reason, text = "stop", seq.detok.flush()
             logprobs = []
@@ -209,6 +237,8 @@ class CoreBase:
             text = seq.detok.add(token)
             if seq.detok.stopped:
                 reason = "stop"
+            elif constraint is not None and constraint.done:
+                reason, text = "stop", text + seq.detok.flush()  # the document is complete
             elif self._out_of_room(seq):
                 reason, text = "length", text + seq.detok.flush()
         if reason is not None:

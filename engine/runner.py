@@ -29,6 +29,7 @@ from wsinfer.sessions.schema import GenerationParams
 from .attention import decode_attention, prefill_softcapped_attention
 from .attention_cpu import InvariantAttention, TiledAttention
 from .batch import DecodeRows
+from .grammar import apply_bitmask
 from .kvpool import KVPool
 from .llama import FastLlama
 from .logprobs import LogprobBuffers, model_logprobs
@@ -251,24 +252,34 @@ class ModelRunner:
 
     # --- decode ----------------------------------------------------------------
 
-    def decode(self, rows: DecodeRows, variant: Variant, logprobs: bool = False) -> int:
+    def decode(
+        self,
+        rows: DecodeRows,
+        variant: Variant,
+        logprobs: bool = False,
+        allowed: torch.Tensor | None = None,
+    ) -> int:
         """Run one decode step for every row; tokens land in ``last_tokens[:len(rows)]``
-        (and with ``logprobs``, their log-probabilities in ``self.logprobs``).
+        (and with ``logprobs``, their log-probabilities in ``self.logprobs``). With
+        ``allowed`` (a packed bitmask per leading row, ``grammar.Grammars.bitmask``),
+        those rows draw only the tokens whose bit is set.
 
         Returns the number of rows computed (the graph bucket, padding included).
-        A step with log-probabilities runs the graphs' program eagerly: the graphs
-        are captured without them.
+        A step with log-probabilities or a bitmask runs the graphs' program eagerly:
+        the graphs are captured without them.
         """
         n = len(rows)
         bucket = self._bucket(n) if self.padded else n
         self._stage(rows, n, bucket)
-        graph = None if logprobs else self.graphs.get((bucket, variant))
+        eager = logprobs or allowed is not None
+        graph = None if eager else self.graphs.get((bucket, variant))
         if graph is not None:
             graph.replay()
         elif self.padded:  # the captured program, run eagerly (CPU tests of the graph path)
-            self._decode(bucket, variant, logprobs=logprobs)
+            self._decode(bucket, variant, logprobs=logprobs, allowed=allowed)
         else:
-            self._decode(n, variant, int(rows.positions[:n].max()) + 1, logprobs=logprobs)
+            max_len = int(rows.positions[:n].max()) + 1
+            self._decode(n, variant, max_len, logprobs=logprobs, allowed=allowed)
         return bucket
 
     def _bucket(self, n: int) -> int:
@@ -303,7 +314,12 @@ class ModelRunner:
             rows.params_dirty = False
 
     def _decode(
-        self, b: int, variant: Variant, max_len: int | None = None, logprobs: bool = False
+        self,
+        b: int,
+        variant: Variant,
+        max_len: int | None = None,
+        logprobs: bool = False,
+        allowed: torch.Tensor | None = None,
     ) -> None:
         """The decode step over rows ``:b`` (what a graph captures); no host sync."""
         ints = self.step_ints[:, :b]
@@ -328,6 +344,8 @@ class ModelRunner:
         seen = None if variant is Variant.GREEDY else self.seen[:b]
         logits = self.model.logits(hidden)
         model_lp = model_logprobs(logits) if logprobs else None
+        if allowed is not None:
+            logits = apply_bitmask(logits, allowed)
         tokens = sample_tokens(logits, params, variant, seen, self.ends)
         if model_lp is not None:
             self.logprobs.record(0, model_lp, tokens)
@@ -350,11 +368,16 @@ class ModelRunner:
     # --- prefill -----------------------------------------------------------------
 
     def prefill(
-        self, pieces: list[PrefillPiece], complete: list[RowSampling], logprobs: bool = False
+        self,
+        pieces: list[PrefillPiece],
+        complete: list[RowSampling],
+        logprobs: bool = False,
+        allowed: torch.Tensor | None = None,
     ) -> None:
         """One forward over every piece; the pieces that finish their context (the
         first ``len(complete)``) sample their next token into ``last_tokens[max_rows:]``
-        (and with ``logprobs``, its log-probability into ``self.logprobs``, same rows)."""
+        (and with ``logprobs``, its log-probability into ``self.logprobs``, same rows),
+        within ``allowed`` (a packed bitmask per complete piece) where given."""
         context = PrefillContext(self.pool, pieces, self.model.scale, self.model.attn_softcap)
         ids = to_device([t for p in pieces for t in p.tokens[p.start : p.end]], self.device)
         hidden = self.model.forward(ids, context.positions, context)
@@ -371,6 +394,8 @@ class ModelRunner:
             seen = upload(seen, self.device)
         tensors = tensors_for(complete, self.device)
         model_lp = model_logprobs(logits) if logprobs else None
+        if allowed is not None:
+            logits = apply_bitmask(logits, allowed)
         tokens = sample_tokens(logits, tensors, variant_of(params), seen, self.ends)
         if model_lp is not None:
             self.logprobs.record(self.max_rows, model_lp, tokens)

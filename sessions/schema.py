@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import msgpack
 
+from wsinfer import response_format
 from wsinfer.contract import ErrorCode
 from wsinfer.sessions import keys
 
@@ -63,6 +64,9 @@ class GenerationParams:
     # penalties and top-k/top-p), and the top_logprobs most likely tokens beside it.
     logprobs: bool = False
     top_logprobs: int = 0
+    # Structured output: the checked response_format as canonical JSON (None: free
+    # text). Clients send OpenAI's object; wsinfer/response_format.py checks it.
+    response_format: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +89,10 @@ class GenerationParams:
             raise ParamsError("min_tokens must not be above max_new_tokens")
         if params.top_logprobs and not params.logprobs:
             raise ParamsError("top_logprobs needs logprobs: true")
+        if params.response_format is not None and params.min_tokens:
+            # A finished document allows only the end of the sequence, which min_tokens
+            # forbids: no token would be left to draw.
+            raise ParamsError("min_tokens cannot be combined with a response_format")
         return params
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,7 +100,7 @@ class GenerationParams:
         out["stop"] = list(self.stop)
         # Fields at their default are left out: an engine from before them reads every
         # turn that does not use them as ever (a rolling upgrade).
-        for name in ("ignore_eos", "min_tokens", "logprobs", "top_logprobs"):
+        for name in ("ignore_eos", "min_tokens", "logprobs", "top_logprobs", "response_format"):
             if not out[name]:
                 del out[name]
         return out
@@ -161,6 +169,13 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _response_format(value: Any) -> str | None:
+    try:
+        return response_format.canonical(value)
+    except response_format.ResponseFormatError as exc:
+        raise ParamsError(str(exc)) from exc
+
+
 _PARAM_CHECKS: dict[str, Any] = {
     "max_new_tokens": _int_in(1, MAX_NEW_TOKENS_LIMIT, "max_new_tokens"),
     "temperature": _temperature,
@@ -175,6 +190,7 @@ _PARAM_CHECKS: dict[str, Any] = {
     "min_tokens": _int_in(0, MAX_NEW_TOKENS_LIMIT, "min_tokens"),
     "logprobs": _flag("logprobs"),
     "top_logprobs": _int_in(0, MAX_TOP_LOGPROBS, "top_logprobs"),
+    "response_format": _response_format,
 }
 
 

@@ -455,3 +455,15 @@ def test_bench_prefix_cache_compares_resent_and_shared_prompts_with_the_cache_of
     assert cached[("the same, resent in full + 1 turn", "on")] > 200
     assert cached[("4 sessions, one system prompt", "on")] > 0
     assert all(cached[(case, "off")] == 0 for case, _ in cached)
+
+
+def test_bench_structured_compares_free_and_constrained_decoding(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    load_script("bench_structured").main(
+        ["--model", "tiny", "--rounds", "1", "--tokens", "6", "--streams", "1,3"]
+    )
+    rows = data_rows(capsys.readouterr().out.splitlines())
+    assert [row[0] for row in rows] == ["1", "3"]
+    assert all(row[3].endswith("x") and row[5].endswith(" µs") for row in rows)
+    assert all(float(row[5].split()[0]) > 0 for row in rows)  # the mask was computed

@@ -45,7 +45,18 @@ export interface GenerateParams {
   logprobs?: boolean;
   /** 0-20 most likely tokens beside each drawn one; needs logprobs. */
   top_logprobs?: number;
+  /** Structured output: every draw is held to the format (docs/protocol.md). */
+  response_format?: ResponseFormat;
 }
+
+/** OpenAI's response_format shapes. */
+export type ResponseFormat =
+  | { type: "text" }
+  | { type: "json_object" }
+  | {
+      type: "json_schema";
+      json_schema: { name: string; schema?: object; strict?: boolean; description?: string };
+    };
 
 /** One token's log-probability (OpenAI's chat shape). */
 export interface TokenLogprob {

@@ -9,7 +9,7 @@ import math
 import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -132,6 +132,21 @@ async def test_openai_sdk_against_the_real_model(tmp_path: Path) -> None:
         assert second.id == f"chatcmpl-{session}-2"
         details = second.usage.prompt_tokens_details if second.usage else None
         assert details is not None and (details.cached_tokens or 0) > 0
+        # Structured output: the real model, held to a schema, still knows the answer.
+        capital = {
+            "type": "object",
+            "properties": {"capital": {"type": "string", "maxLength": 40}},
+            "required": ["capital"],
+            "additionalProperties": False,
+        }
+        structured = await client.chat.completions.create(
+            model="wsinfer", temperature=0, max_tokens=40,  # type: ignore[arg-type]
+            messages=[{"role": "user", "content": "The capital of France? Answer in JSON."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "answer", "schema": capital, "strict": True}},
+        )  # fmt: skip
+        assert structured.choices[0].finish_reason == "stop"
+        assert "Paris" in json.loads(structured.choices[0].message.content or "")["capital"]
         # vLLM's ignore_eos (what benchmark clients send): the answer that ended after a
         # few tokens above runs on to max_tokens.
         assert answer.usage.completion_tokens < 32
@@ -244,6 +259,58 @@ async def test_a_conversation_resent_in_full_reuses_the_kv_cache_on_every_door(
     )
     assert response.usage is not None
     assert response.usage.input_tokens_details.cached_tokens >= whole_blocks
+
+
+THING = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "color"],
+    "additionalProperties": False,
+}
+
+
+async def test_structured_output_through_the_sdk_every_door(serve: tuple[int, Path]) -> None:
+    """response_format on chat (whole, streamed, the SDK's pydantic parse), the
+    Responses API's text.format, and the WebSocket's params: a random-weight model's
+    answers all parse and validate; a schema that cannot be enforced is a 400."""
+    import jsonschema
+    from pydantic import BaseModel
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "thing", "schema": THING}}
+    sampled = {"model": "wsinfer", "messages": PROMPT, "temperature": 1.0, "max_tokens": 60}
+    for seed in range(3):
+        whole = await client.chat.completions.create(**sampled, seed=seed, response_format=fmt)
+        assert whole.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(whole.choices[0].message.content or ""), THING)
+    stream = await client.chat.completions.create(**sampled, response_format=fmt, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    jsonschema.validate(json.loads(text), THING)
+
+    class Thing(BaseModel):
+        ok: bool
+        color: Literal["red", "green", "blue"]
+
+    parsed = await client.chat.completions.parse(**sampled, response_format=Thing)
+    assert isinstance(parsed.choices[0].message.parsed, Thing)
+    response = await client.responses.create(
+        model="wsinfer", input="Describe a thing.", max_output_tokens=60, temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "thing", "schema": THING, "strict": True}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(response.output_text), THING)
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == "json_schema"
+    ws = await Client.open(serve[0], additional_headers=AUTH)
+    await ws.send(type="generate", messages=PROMPT, params={"response_format": fmt, "seed": 4})
+    messages = await ws.until("done")
+    jsonschema.validate(json.loads(joined(messages)[0]), THING)
+    await ws.send(type="generate", messages=PROMPT, params={"response_format": {"type": "yaml"}})
+    refused = await ws.recv()
+    assert refused["type"] == "error" and refused["code"] == "bad_request"
+    await ws.close()
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError, match="cannot be enforced"):
+        await client.chat.completions.create(**sampled, response_format=bad)
 
 
 async def test_openai_sdk_logprobs_whole_streamed_and_resumed(

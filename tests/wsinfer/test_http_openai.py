@@ -75,7 +75,7 @@ def test_session_headers_continue_a_session() -> None:
         ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"stream": "yes"}, 400, "stream"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, 400, "max_tokens"),
-        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"response_format": {"type": "yaml"}}, 400, "response_format"),
     ],
 )
 def test_refused_requests(body: dict[str, Any], status: int, param: str | None) -> None:
@@ -84,6 +84,12 @@ def test_refused_requests(body: dict[str, Any], status: int, param: str | None) 
     assert caught.value.status == status
     if param is not None:
         assert caught.value.param == param or param in caught.value.message
+
+
+def test_a_response_format_reaches_the_turns_params_checked() -> None:
+    chat = parse(response_format={"type": "json_object"})
+    assert chat.generate.params.response_format == '{"type":"json_object"}'
+    assert parse(response_format={"type": "text"}).generate.params.response_format is None
 
 
 def test_values_are_checked_by_the_websocket_parser() -> None:

@@ -37,6 +37,7 @@ from wsinfer.http.openai import (
     json_object,
 )
 from wsinfer.messages import Generate, Limits
+from wsinfer.response_format import responses_format
 from wsinfer.sessions.schema import GenerationParams
 
 PREFIX = "resp_"
@@ -46,6 +47,7 @@ MAX_ID_PART = 256  # a session id or token longer than this is none we issued
 _KNOWN = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
     "stream", "background", "previous_response_id", "metadata", "include", "top_logprobs",
+    "text",
 }  # fmt: skip
 # What ``include`` may ask for: the output text's log-probabilities.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -54,7 +56,6 @@ _IGNORED = IGNORED | {"truncation", "prompt_cache_key", "safety_identifier", "st
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
-    "text": (None, {"format": {"type": "text"}}),
     "reasoning": (None,),
     "max_tool_calls": (None,),
     "conversation": (None,),
@@ -149,7 +150,27 @@ def _params(data: dict[str, Any]) -> dict[str, Any]:
         params["logprobs"] = True  # checked, with top_logprobs, by the protocol's rules
     if top is not None:
         params["top_logprobs"] = top
+    fmt = _text_format(data.get("text"))
+    if fmt is not None:
+        params["response_format"] = fmt
     return params
+
+
+def _text_format(raw: Any) -> dict[str, Any] | None:
+    """``text.format`` in the chat completions' ``response_format`` shape (checked, as
+    the WebSocket's, by wsinfer/response_format.py)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or any(key != "format" for key in raw):
+        raise bad_request("text may only hold format", "text")
+    fmt = raw.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object", "text.format")
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return fmt
 
 
 def _include(raw: Any) -> bool:
@@ -298,7 +319,7 @@ class ResponseView:
             "parallel_tool_calls": False,
             "previous_response_id": None if previous is None else str(previous),
             "temperature": self.params.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": responses_format(self.params.response_format)},
             "tool_choice": "none",
             "tools": [],
             "top_logprobs": self.params.top_logprobs,
