@@ -313,6 +313,32 @@ async def test_structured_output_through_the_sdk_every_door(serve: tuple[int, Pa
         await client.chat.completions.create(**sampled, response_format=bad)
 
 
+async def test_legacy_completion_logprobs_whole_and_streamed(serve: tuple[int, Path]) -> None:
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
+    body: Any = {"model": "wsinfer", "prompt": "Once upon a time", "max_tokens": 12,
+                 "temperature": 0, "logprobs": 3}  # fmt: skip
+    whole = await client.completions.create(**body)
+    text, lp = whole.choices[0].text, whole.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert lp.text_offset is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert b"".join(t.encode() for t in lp.tokens).decode() == text or "\ufffd" in text
+    for top, drawn in zip(lp.top_logprobs, lp.token_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(drawn)  # greedy
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[-1] < len(text)
+    stream = await client.completions.create(**body, stream=True)
+    chunks = [c.choices[0] async for c in stream if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.logprobs.tokens or []] == lp.tokens  # type: ignore[union-attr]
+    offsets = [o for c in chunks for o in c.logprobs.text_offset or []]  # type: ignore[union-attr]
+    assert offsets == lp.text_offset  # counted across the stream's chunks
+    plain = await client.completions.create(**{**body, "logprobs": None})
+    assert plain.choices[0].logprobs is None
+    for bad in (21, -1, True, "3"):
+        with pytest.raises(openai.BadRequestError, match="logprobs must be an integer"):
+            await client.completions.create(**{**body, "logprobs": bad})
+
+
 async def test_openai_sdk_logprobs_whole_streamed_and_resumed(
     serve: tuple[int, Path], http: httpx.AsyncClient
 ) -> None:

@@ -4,11 +4,15 @@ A prompt in, text out: a raw-text wsinfer session (the WebSocket ``generate``
 with ``prompt``), whose next turn continues the text exactly. The request is
 checked by the same rules as a chat completion; the answers are
 ``text_completion`` objects, streamed as the chat chunks are (``id: SEQ``).
+
+``logprobs: N`` asks for the legacy shape: per token its text, log-probability,
+the ``N`` most likely tokens as a map, and its character offset in the text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import codecs
+from dataclasses import dataclass, field
 from typing import Any
 
 from wsinfer.http.openai import (
@@ -29,6 +33,7 @@ from wsinfer.http.openai import (
     stream_options,
 )
 from wsinfer.messages import Limits
+from wsinfer.sessions.schema import MAX_TOP_LOGPROBS
 
 OBJECT = "text_completion"
 # The legacy endpoint's own options, accepted only where they change nothing.
@@ -36,8 +41,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     **OFF_VALUES,
     "best_of": (None, 1),
     "echo": (None, False),
-    "logprobs": (None,),
-    "top_logprobs": (None, 0),
     "suffix": (None, ""),
 }
 
@@ -47,18 +50,22 @@ def parse_completion_request(
 ) -> ChatRequest:
     """Validate a ``POST /v1/completions`` body as a ``generate`` with a ``prompt``."""
     data = json_object(body)
-    # Its logprobs is an integer with a shape of its own (not offered yet): no top_logprobs.
+    # Its logprobs is an integer, the number of most likely tokens beside each drawn one
+    # (0: the drawn one's only): there is no top_logprobs.
     known = {"model", "prompt", "stream", "stream_options", "max_tokens", *PARAMS}
     known -= {"logprobs", "top_logprobs"}
-    check_fields(data, known, _OFF_VALUES, IGNORED)
+    check_fields(data, known | {"logprobs"}, _OFF_VALUES, IGNORED)
     check_model(data, model)
     stream = flag(data, "stream")
     include_usage = stream_options(data.get("stream_options"), stream)
-    generate = {
-        "type": "generate",
-        "prompt": _prompt(data.get("prompt")),
-        "params": params_of(data),
-    }
+    params = params_of({k: v for k, v in data.items() if k != "logprobs"})
+    top = data.get("logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            message = f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (or null)"
+            raise bad_request(message, "logprobs")
+        params.update(logprobs=True, top_logprobs=top)
+    generate = {"type": "generate", "prompt": _prompt(data.get("prompt")), "params": params}
     return ChatRequest(as_generate(generate, limits, session, token), stream, include_usage)
 
 
@@ -71,9 +78,39 @@ def _prompt(raw: Any) -> str:
     return raw
 
 
+class TextOffsets:
+    """Where each token's text starts in the text this answer delivers, in characters:
+    the bytes of the tokens so far, decoded as far as they make whole characters (a
+    token that ends inside a character starts where that character does)."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def legacy(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        """The legacy ``logprobs`` object of ``entries`` (the chat shape's, in order)."""
+        offsets = []
+        for entry in entries:
+            offsets.append(self.chars)
+            self.chars += len(self._decoder.decode(bytes(entry["bytes"])))
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [
+                {top["token"]: top["logprob"] for top in e.get("top_logprobs", ())} for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+
 @dataclass(frozen=True)
 class TextCompletion(Completion):
-    """A completion's names and shapes: ``Completion``'s, as ``text_completion``."""
+    """A completion's names and shapes: ``Completion``'s, as ``text_completion``.
+
+    One per answer (a response, or one stream of chunks): its log-probabilities'
+    ``text_offset`` count from the start of what that answer delivers."""
+
+    offsets: TextOffsets = field(default_factory=TextOffsets, compare=False, repr=False)
 
     @property
     def id(self) -> str:
@@ -89,7 +126,8 @@ class TextCompletion(Completion):
         logprobs: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         reason = None if finish_reason is None else openai_finish_reason(finish_reason)
-        choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None}
+        legacy = None if logprobs is None else self.offsets.legacy(logprobs)
+        choice = {"index": 0, "text": delta.get("content", ""), "logprobs": legacy}
         return self._envelope(OBJECT, choices=[{**choice, "finish_reason": reason}])
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -99,5 +137,6 @@ class TextCompletion(Completion):
         self, text: str, done: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
     ) -> dict[str, Any]:
         reason = openai_finish_reason(done["finish_reason"])
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        legacy = None if logprobs is None else TextOffsets().legacy(logprobs)
+        choice = {"index": 0, "text": text, "logprobs": legacy, "finish_reason": reason}
         return self._envelope(OBJECT, choices=[choice], usage=openai_usage(done["usage"]))
