@@ -53,6 +53,20 @@ def _env(name: str, default: Any = None) -> Any:
     return os.environ.get(f"WSINFER_{name}", default)
 
 
+# Engine flags on by default (--NAME / --no-NAME, WSINFER_NAME=0), passed on by serve.
+SWITCHES = ("quantized-cpu-weights", "prefix-caching")
+
+
+def _add_switch(parser: argparse.ArgumentParser, name: str, help: str) -> None:
+    assert name in SWITCHES
+    parser.add_argument(
+        f"--{name}",
+        action=argparse.BooleanOptionalAction,
+        default=_env_flag(name.upper().replace("-", "_"), default=True),
+        help=help,
+    )
+
+
 def _env_flag(name: str, default: bool = False) -> bool:
     value = str(_env(name, "")).strip().lower()
     return value in ("1", "true", "yes", "on") if value else default
@@ -242,19 +256,17 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
         default=_env_flag("NO_CUDA_GRAPHS"),
         help="run decode eagerly on a GPU (debugging; much slower)",
     )
-    parser.add_argument(
-        "--quantized-cpu-weights",
-        action=argparse.BooleanOptionalAction,
-        default=_env_flag("QUANTIZED_CPU_WEIGHTS", default=True),
-        help="CPU, a .gguf model: multiply its Q4_1 blocks as they are, the output layer "
+    _add_switch(
+        parser,
+        "quantized-cpu-weights",
+        "CPU, a .gguf model: multiply its Q4_1 blocks as they are, the output layer "
         "int8 (about 2x the tokens/s of the de-quantized float32 copy; tokens can differ "
         "from float32's where candidates nearly tie); --no-quantized-cpu-weights: float32",
     )
-    parser.add_argument(
-        "--prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=_env_flag("PREFIX_CACHING", default=True),
-        help="share the KV cache of any earlier prompt's beginning with a later prompt "
+    _add_switch(
+        parser,
+        "prefix-caching",
+        "share the KV cache of any earlier prompt's beginning with a later prompt "
         "that starts alike, whatever its session (fast engine); --no-prefix-caching: "
         "only a session's own kept cache",
     )
@@ -435,8 +447,9 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     ]
     argv += ["--kv-offload-cpu"] if args.kv_offload_cpu else []
     argv += ["--no-cuda-graphs"] if args.no_cuda_graphs else []
-    argv += [f"--{'' if args.quantized_cpu_weights else 'no-'}quantized-cpu-weights"]
-    argv += [f"--{'' if args.prefix_caching else 'no-'}prefix-caching"]
+    for switch in SWITCHES:
+        on = getattr(args, switch.replace("-", "_"))
+        argv += [f"--{'' if on else 'no-'}{switch}"]
     for flag in ("max_batch_size", "kv_pool_mb", "max_model_len"):
         value = getattr(args, flag)
         argv += [f"--{flag.replace('_', '-')}", str(value)] if value is not None else []

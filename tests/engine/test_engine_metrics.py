@@ -168,6 +168,17 @@ def test_gpu_memory_series_only_on_cuda() -> None:
     assert b"wsinfer_engine_requests_running 0.0" in metrics.render()
 
 
+def core_samples(core: Any) -> dict[str, float]:
+    """Every sample an engine's metrics give for ``core``, by name."""
+    metrics = EngineMetrics(engine_id="e")
+    metrics.attach(core, "tiny", "cpu", 2)
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+
+
 def test_the_paged_pool_and_core_counters_are_exported(tiny: Any) -> None:
     from tests.engine.conftest import run_all
     from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest
@@ -179,13 +190,7 @@ def test_the_paged_pool_and_core_counters_are_exported(tiny: Any) -> None:
     for rid in ("a", "b"):  # two rows of ~70 tokens need 10 blocks: one is preempted
         core.add(EngineRequest(rid, [5] * 10, params, cache_key=rid))
     run_all(core)
-    metrics = EngineMetrics(engine_id="e")
-    metrics.attach(core, "tiny", "cpu", 2)
-    samples = {
-        s.name: s.value
-        for family in text_string_to_metric_families(metrics.render().decode())
-        for s in family.samples
-    }
+    samples = core_samples(core)
     assert samples["wsinfer_engine_kv_pool_blocks"] == 9
     # Both kept caches hold the same prompt's blocks (shared by the prefix cache).
     held = len({b for e in core.store._entries.values() for b in e.blocks})
@@ -206,13 +211,7 @@ def test_prefix_cache_counters_are_exported(tiny: Any) -> None:
     for rid, tail in (("a", [50]), ("b", [60, 61])):
         core.add(EngineRequest(rid, shared + tail, params))
         run_all(core)
-    metrics = EngineMetrics(engine_id="e")
-    metrics.attach(core, "tiny", "cpu", 2)
-    samples = {
-        s.name: s.value
-        for family in text_string_to_metric_families(metrics.render().decode())
-        for s in family.samples
-    }
+    samples = core_samples(core)
     assert samples["wsinfer_engine_prefix_cache_queries_total"] == 41 + 42
     assert samples["wsinfer_engine_prefix_cache_hits_total"] == 32
     assert samples["wsinfer_engine_prefill_tokens_total"] == 41 + 42 - 32
