@@ -42,6 +42,11 @@ class Constraint:
         """Advance past ``token``; False if the grammar does not allow it."""
         return bool(self.matcher.consume_token(token))
 
+    def failure(self) -> str | None:
+        """Why the matcher gave up before the last draw (a schema whose parse grew past
+        llguidance's limits: its mask then allowed nothing), or None."""
+        return str(self.matcher.get_error()) if self.matcher.is_error() else None
+
     @property
     def done(self) -> bool:
         """The document is complete: nothing (but the end of the sequence) may follow."""

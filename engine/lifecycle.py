@@ -225,11 +225,11 @@ class CoreBase:
         reason: FinishReason | None = None
         logprobs = [logprob] if logprob is not None else []
         constraint = seq.constraint
-        if constraint is not None and not constraint.accept(token):
-            # The mask lets no such token through: a bug, not the client's doing.
-            message = f"token {token} breaks the turn's response_format"
-            error = TurnError(ErrorCode.INTERNAL, message)
-            return self._final_output(seq, "error", [], seq.detok.flush(), error=error)
+        if constraint is not None:
+            failure = constraint.failure()
+            if failure is not None or not constraint.accept(token):
+                error = _broken_format(token, failure)
+                return self._final_output(seq, "error", [], seq.detok.flush(), error=error)
         if token in self._ends(seq.request.params):
             reason, text = "stop", seq.detok.flush()
             logprobs = []
@@ -304,3 +304,12 @@ class CoreBase:
         n = len(request.generated_ids)
         usage = Usage(len(request.prompt_ids), n, 0)
         return RequestOutput(request.request_id, [], "", n, True, "error", usage=usage, error=error)
+
+
+def _broken_format(token: int, failure: str | None) -> TurnError:
+    """The error that ends a turn whose draw its grammar did not allow."""
+    if failure is not None:  # the schema grew too complex to follow: the client's to fix
+        message = f"the response_format could not be followed: {failure[:300]}"
+        return TurnError(ErrorCode.BAD_REQUEST, message)
+    # The mask lets no such token through: a bug of ours, not the client's doing.
+    return TurnError(ErrorCode.INTERNAL, f"token {token} breaks the turn's response_format")

@@ -285,3 +285,37 @@ def test_a_full_batch_of_constrained_rows_all_end_valid(tiny: LoadedModel) -> No
     for outs in outputs.values():
         assert outs[-1].finish_reason == "stop"
         assert_valid(text_of(outs), params().response_format)
+
+
+class GaveUp:
+    """A matcher that hit llguidance's limits while computing its mask."""
+
+    def is_error(self) -> bool:
+        return True
+
+    def get_error(self) -> str:
+        return "parser too complex"
+
+    def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
+        return None  # writes nothing: what it allowed no longer matters
+
+
+def test_a_grammar_that_gives_up_ends_its_turn_as_the_clients_error(tiny: LoadedModel) -> None:
+    core = EngineCore(tiny)
+    core.add(request("t", PROMPT, params()))
+    core.add(request("free", PROMPT, GenerationParams(max_new_tokens=5, temperature=0)))
+    core._seqs["t"].constraint.matcher = GaveUp()
+    outputs = run_all(core)
+    [end] = outputs["t"]
+    assert end.finish_reason == "error" and end.error is not None
+    assert end.error.code == "bad_request" and "parser too complex" in end.error.message
+    assert tokens_of(outputs["free"]) == reference_greedy(tiny, PROMPT, 5)  # unharmed
+
+
+def test_a_draw_outside_the_grammar_is_our_error_not_the_clients(tiny: LoadedModel) -> None:
+    core = EngineCore(tiny)
+    core.add(request("t", PROMPT, params()))
+    core._seqs["t"].constraint.accept = lambda token: False  # type: ignore[method-assign]
+    [end] = run_all(core)["t"]
+    assert end.finish_reason == "error" and end.error is not None
+    assert end.error.code == "internal" and "breaks the turn's response_format" in end.error.message
