@@ -212,7 +212,16 @@ async def test_openai_sdk_streams_and_reports_usage(serve: tuple[int, Path]) -> 
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content  # greedy: the same tokens either way
     assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
-    assert chunks[-1].usage == whole.usage
+    usage, first = chunks[-1].usage, whole.usage
+    assert usage is not None and first is not None
+    assert usage.model_dump(exclude={"prompt_tokens_details"}) == first.model_dump(
+        exclude={"prompt_tokens_details"}
+    )
+    # The same prompt a second time: the prefix cache serves at least what it did before.
+    assert usage.prompt_tokens_details is not None and first.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= (first.prompt_tokens_details.cached_tokens or 0)
+    assert cached == (usage.prompt_tokens - 1) // 16 * 16
     with pytest.raises(openai.AuthenticationError):
         await openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key="wrong"
