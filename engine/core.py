@@ -98,7 +98,6 @@ class EngineCore(CoreBase):
         self._check_cpu_attention()
         max_blocks = -(-self.max_context // cfg.block_size)
         self.pool = self._allocate_pool()
-        self.prefix_caching = cfg.prefix_caching
         offload = torch.device("cpu") if cfg.kv_offload_cpu and on_cuda else None
         self.store = KVHandles(self.pool, cfg.kv_cache_bytes, offload)
         self.rows = DecodeRows(cfg.max_batch_size, max_blocks, cfg.block_size)
@@ -242,18 +241,22 @@ class EngineCore(CoreBase):
         seq.blocks = blocks[:keep]
         seq.computed = seq.cached_tokens = max(0, reuse)
 
-    def _share_cached_prefix(self, seq: _Seq) -> None:
-        """Start ``seq`` from the longest run of registered blocks holding its prompt's
-        beginning, where that is longer than what its session's retained KV gave it."""
+    def _cached_prefix(self, seq: _Seq) -> tuple[list[int], list[int]]:
+        """The registered blocks holding ``seq``'s prompt's longest shareable beginning:
+        (their prefix-cache nodes, the blocks); none without prefix caching."""
+        if not self.config.prefix_caching:
+            return [], []
+        allocator = self.pool.blocks
+        return allocator.match(seq.tokens, allocator.limit_for(len(seq.tokens)))
+
+    def _share_cached_prefix(self, seq: _Seq, nodes: list[int], blocks: list[int]) -> None:
+        """Start ``seq`` from ``blocks`` (``_cached_prefix``), where they hold more than
+        its session's retained KV gave it."""
         size = self.config.block_size
-        nodes: list[int] = []
-        if self.prefix_caching:
-            allocator = self.pool.blocks
-            nodes, blocks = allocator.match(seq.tokens, allocator.limit_for(len(seq.tokens)))
-            if len(blocks) * size > seq.computed:
-                allocator.share(blocks)
-                self.pool.release(seq.blocks)
-                seq.blocks, seq.computed = blocks, len(blocks) * size
+        if len(blocks) * size > seq.computed:
+            self.pool.blocks.share(blocks)
+            self.pool.release(seq.blocks)
+            seq.blocks, seq.computed = blocks, len(blocks) * size
         seq.chain = nodes[: seq.computed // size]
         self._own_partial_block(seq)
         seq.looked_up = True
@@ -284,7 +287,7 @@ class EngineCore(CoreBase):
 
     def _register_full_blocks(self, seq: _Seq) -> None:
         """Make ``seq``'s newly completed blocks findable by later prompts."""
-        if not self.prefix_caching or not seq.looked_up:
+        if not self.config.prefix_caching or not seq.looked_up:
             return
         size = self.config.block_size
         full = min(seq.computed, len(seq.tokens)) // size
@@ -391,9 +394,10 @@ class EngineCore(CoreBase):
         partial: list[PrefillPiece] = []
         for k, seq in enumerate(self._prefilling):
             if not seq.looked_up:
-                if self._awaits_shared_prefix(seq, self._prefilling[:k]):
+                nodes, shared = self._cached_prefix(seq)
+                if self._awaits_shared_prefix(seq, len(shared), self._prefilling[:k]):
                     continue
-                self._share_cached_prefix(seq)
+                self._share_cached_prefix(seq, nodes, shared)
             n = min(seq.target - seq.computed, budget)
             if n <= 0 or not self._ensure_prefill_blocks(seq, seq.computed + n):
                 break
@@ -402,19 +406,19 @@ class EngineCore(CoreBase):
             budget -= n
         return done + partial
 
-    def _awaits_shared_prefix(self, seq: _Seq, earlier: list[_Seq]) -> bool:
-        """Whether ``seq`` should wait a step: its prompt begins with at least
-        ``SHARED_PREFIX_WAIT_TOKENS`` of an earlier newcomer's, which is still to compute
-        the next block ``seq`` could share. Waiting, it shares that block instead of
-        computing it a second time; prompts that share only a short header never wait."""
-        if not self.prefix_caching or not earlier:
+    def _awaits_shared_prefix(self, seq: _Seq, shared: int, earlier: list[_Seq]) -> bool:
+        """Whether ``seq``, whose prompt's first ``shared`` blocks are cached, should wait
+        a step: its prompt begins with at least ``SHARED_PREFIX_WAIT_TOKENS`` of an
+        earlier newcomer's, which is still to compute the next block ``seq`` could
+        share. Waiting, it shares that block instead of computing it a second time;
+        prompts that share only a short header never wait."""
+        if not self.config.prefix_caching or not earlier:
             return False
-        size, allocator = self.config.block_size, self.pool.blocks
-        limit = allocator.limit_for(len(seq.tokens)) * size
+        size = self.config.block_size
+        limit = self.pool.blocks.limit_for(len(seq.tokens)) * size
         if limit < SHARED_PREFIX_WAIT_TOKENS:
             return False
-        _, blocks = allocator.match(seq.tokens, limit // size)
-        want = max(seq.computed, len(blocks) * size) + size
+        want = max(seq.computed, shared * size) + size
         if want > limit:
             return False
         head = seq.tokens[: max(want, SHARED_PREFIX_WAIT_TOKENS)]

@@ -97,11 +97,8 @@ def _only(raw: dict[str, Any], allowed: set[str], where: str) -> None:
 def grammar_for(text: str) -> str:
     """The llguidance grammar of a canonical format."""
     spec = json.loads(text)
-    if spec["type"] == "json_object":
-        schema: dict[str, Any] = {"type": "object"}
-        strict = False
-    else:
-        schema, strict = spec["json_schema"]["schema"], spec["json_schema"]["strict"]
+    strict = spec["type"] == "json_schema" and spec["json_schema"]["strict"]
+    schema = _schema(spec)
     options: Any = {**JSON_LAYOUT, "lenient": not strict}  # llguidance's JsonCompileOptions
     try:
         return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options))
@@ -111,7 +108,10 @@ def grammar_for(text: str) -> str:
 
 def schema_of(text: str) -> dict[str, Any]:
     """The JSON schema a canonical format's output validates against."""
-    spec = json.loads(text)
+    return _schema(json.loads(text))
+
+
+def _schema(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["type"] == "json_object":
         return {"type": "object"}
     return dict(spec["json_schema"]["schema"])

@@ -53,8 +53,7 @@ def parse_completion_request(
     # Its logprobs is an integer, the number of most likely tokens beside each drawn one
     # (0: the drawn one's only): there is no top_logprobs.
     known = {"model", "prompt", "stream", "stream_options", "max_tokens", *PARAMS}
-    known -= {"logprobs", "top_logprobs"}
-    check_fields(data, known | {"logprobs"}, _OFF_VALUES, IGNORED)
+    check_fields(data, known - {"top_logprobs"}, _OFF_VALUES, IGNORED)
     check_model(data, model)
     stream = flag(data, "stream")
     include_usage = stream_options(data.get("stream_options"), stream)
