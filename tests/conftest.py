@@ -141,6 +141,7 @@ SLOW_MODULES = frozenset(
         "tests/sessions/test_sentinel.py",  # Redis Sentinel and replicas
         "tests/wsinfer/test_http.py",  # a tiny-model serve for the module, the real model
         "tests/wsinfer/test_http_transport.py",
+        "tests/wsinfer/test_http_features.py",  # a tiny-model serve for the module
         "tests/wsinfer/test_hostile_clients.py",
         "tests/wsinfer/test_serve.py",
         "tests/wsinfer/test_serve_redis.py",

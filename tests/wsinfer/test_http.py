@@ -9,7 +9,7 @@ import math
 import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import openai
@@ -226,126 +226,6 @@ async def test_openai_sdk_streams_and_reports_usage(serve: tuple[int, Path]) -> 
         await openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key="wrong"
         ).models.list()
-
-
-async def test_a_conversation_resent_in_full_reuses_the_kv_cache_on_every_door(
-    serve: tuple[int, Path],
-) -> None:
-    """What every standard OpenAI client does, no session header: the whole history
-    again. The prefix cache serves the blocks the first turn computed, and both doors
-    say so (``cached_tokens``)."""
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
-    rules = " ".join(f"Rule {i}: answer in {i} words." for i in range(40))
-    system = {"role": "system", "content": f"{random.random()} {rules}"}  # nobody's before
-    first: list[Any] = [system, {"role": "user", "content": "What is a lighthouse?"}]
-    one = await client.chat.completions.create(
-        model="wsinfer", messages=first, temperature=0, max_tokens=8
-    )
-    assert one.usage is not None and one.usage.prompt_tokens > 200
-    assert one.usage.prompt_tokens_details is not None
-    assert one.usage.prompt_tokens_details.cached_tokens == 0
-    whole_blocks = one.usage.prompt_tokens // 16 * 16  # the first turn's prompt, computed
-    history = first + [
-        {"role": "assistant", "content": one.choices[0].message.content},
-        {"role": "user", "content": "And a harbour?"},
-    ]
-    stream = await client.chat.completions.create(
-        model="wsinfer", messages=history, temperature=0, max_tokens=8,
-        stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
-    usage = [chunk async for chunk in stream][-1].usage
-    assert usage is not None and usage.prompt_tokens_details is not None
-    assert usage.prompt_tokens_details.cached_tokens >= whole_blocks
-    ws = await Client.open(serve[0], additional_headers=AUTH)
-    await ws.send(type="generate", messages=history, params={"max_new_tokens": 4})
-    done = (await ws.until("done"))[-1]
-    await ws.close()
-    assert done["usage"]["cached_tokens"] >= usage.prompt_tokens_details.cached_tokens
-    response = await client.responses.create(
-        model="wsinfer",
-        input=history,
-        max_output_tokens=4,  # type: ignore[arg-type]
-    )
-    assert response.usage is not None
-    assert response.usage.input_tokens_details.cached_tokens >= whole_blocks
-
-
-THING = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
-    "required": ["ok", "color"],
-    "additionalProperties": False,
-}
-
-
-async def test_structured_output_through_the_sdk_every_door(serve: tuple[int, Path]) -> None:
-    """response_format on chat (whole, streamed, the SDK's pydantic parse), the
-    Responses API's text.format, and the WebSocket's params: a random-weight model's
-    answers all parse and validate; a schema that cannot be enforced is a 400."""
-    import jsonschema
-    from pydantic import BaseModel
-
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
-    fmt: Any = {"type": "json_schema", "json_schema": {"name": "thing", "schema": THING}}
-    sampled = {"model": "wsinfer", "messages": PROMPT, "temperature": 1.0, "max_tokens": 60}
-    for seed in range(3):
-        whole = await client.chat.completions.create(**sampled, seed=seed, response_format=fmt)
-        assert whole.choices[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(whole.choices[0].message.content or ""), THING)
-    stream = await client.chat.completions.create(**sampled, response_format=fmt, stream=True)
-    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-    jsonschema.validate(json.loads(text), THING)
-
-    class Thing(BaseModel):
-        ok: bool
-        color: Literal["red", "green", "blue"]
-
-    parsed = await client.chat.completions.parse(**sampled, response_format=Thing)
-    assert isinstance(parsed.choices[0].message.parsed, Thing)
-    response = await client.responses.create(
-        model="wsinfer", input="Describe a thing.", max_output_tokens=60, temperature=1.0,
-        text={"format": {"type": "json_schema", "name": "thing", "schema": THING, "strict": True}},
-    )  # fmt: skip
-    jsonschema.validate(json.loads(response.output_text), THING)
-    assert response.text is not None and response.text.format is not None
-    assert response.text.format.type == "json_schema"
-    ws = await Client.open(serve[0], additional_headers=AUTH)
-    await ws.send(type="generate", messages=PROMPT, params={"response_format": fmt, "seed": 4})
-    messages = await ws.until("done")
-    jsonschema.validate(json.loads(joined(messages)[0]), THING)
-    await ws.send(type="generate", messages=PROMPT, params={"response_format": {"type": "yaml"}})
-    refused = await ws.recv()
-    assert refused["type"] == "error" and refused["code"] == "bad_request"
-    await ws.close()
-    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
-    with pytest.raises(openai.BadRequestError, match="cannot be enforced"):
-        await client.chat.completions.create(**sampled, response_format=bad)
-
-
-async def test_legacy_completion_logprobs_whole_and_streamed(serve: tuple[int, Path]) -> None:
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
-    body: Any = {"model": "wsinfer", "prompt": "Once upon a time", "max_tokens": 12,
-                 "temperature": 0, "logprobs": 3}  # fmt: skip
-    whole = await client.completions.create(**body)
-    text, lp = whole.choices[0].text, whole.choices[0].logprobs
-    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
-    assert lp.text_offset is not None
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
-    assert b"".join(t.encode() for t in lp.tokens).decode() == text or "\ufffd" in text
-    for top, drawn in zip(lp.top_logprobs, lp.token_logprobs, strict=True):
-        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(drawn)  # greedy
-    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-    assert lp.text_offset[-1] < len(text)
-    stream = await client.completions.create(**body, stream=True)
-    chunks = [c.choices[0] async for c in stream if c.choices and c.choices[0].logprobs]
-    assert [t for c in chunks for t in c.logprobs.tokens or []] == lp.tokens  # type: ignore[union-attr]
-    offsets = [o for c in chunks for o in c.logprobs.text_offset or []]  # type: ignore[union-attr]
-    assert offsets == lp.text_offset  # counted across the stream's chunks
-    plain = await client.completions.create(**{**body, "logprobs": None})
-    assert plain.choices[0].logprobs is None
-    for bad in (21, -1, True, "3"):
-        with pytest.raises(openai.BadRequestError, match="logprobs must be an integer"):
-            await client.completions.create(**{**body, "logprobs": bad})
 
 
 async def test_openai_sdk_logprobs_whole_streamed_and_resumed(
