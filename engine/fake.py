@@ -26,6 +26,7 @@ from typing import Any
 
 from wsinfer.contract import ErrorCode
 from wsinfer.engine.core import EngineRequest, RequestOutput
+from wsinfer.engine.lifecycle import refused
 from wsinfer.engine.logprobs import TokenLogprob
 from wsinfer.sessions.schema import FinishReason, TurnError, Usage
 
@@ -158,14 +159,8 @@ class FakeCore:
             raise ValueError(f"duplicate request id {rid!r}")
         if request.params.response_format is not None:
             # Its words follow no grammar: refuse rather than answer outside the format.
-            error = TurnError(
-                ErrorCode.BAD_REQUEST, "the fake model cannot follow a response_format"
-            )
-            n = len(request.generated_ids)
-            usage = Usage(len(request.prompt_ids), n, 0)
-            self._immediate.append(
-                RequestOutput(rid, [], "", n, True, "error", usage=usage, error=error)
-            )
+            message = "the fake model cannot follow a response_format"
+            self._immediate.append(refused(request, TurnError(ErrorCode.BAD_REQUEST, message)))
             return
         stream = _Stream(request, time.monotonic(), len(request.generated_ids))
         stream.cached_tokens = self._reuse(request)

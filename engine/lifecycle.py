@@ -124,13 +124,13 @@ class CoreBase:
             raise ValueError(f"duplicate request id {rid!r}")
         error = self._validate(request)
         if error is not None:
-            self._immediate[rid] = self._error_output(request, error)
+            self._immediate[rid] = refused(request, error)
             return
         seq = self._new_sequence(request)
         if request.params.response_format is not None:
             error = self._constrain(seq)
             if error is not None:
-                self._immediate[rid] = self._error_output(request, error)
+                self._immediate[rid] = refused(request, error)
                 return
         done = self._already_done(seq)
         if done is not None:
@@ -300,10 +300,12 @@ class CoreBase:
         error = TurnError(ErrorCode.INTERNAL, message)
         return [self._final_output(s, "error", [], "", error=error) for s in failed]
 
-    def _error_output(self, request: EngineRequest, error: TurnError) -> RequestOutput:
-        n = len(request.generated_ids)
-        usage = Usage(len(request.prompt_ids), n, 0)
-        return RequestOutput(request.request_id, [], "", n, True, "error", usage=usage, error=error)
+
+def refused(request: EngineRequest, error: TurnError) -> RequestOutput:
+    """The one output of a request ended before it ran (by ``error``)."""
+    n = len(request.generated_ids)
+    usage = Usage(len(request.prompt_ids), n, 0)
+    return RequestOutput(request.request_id, [], "", n, True, "error", usage=usage, error=error)
 
 
 def _broken_format(token: int, failure: str | None) -> TurnError:
