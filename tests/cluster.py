@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,26 +15,9 @@ from typing import Any
 import pytest
 import redis
 
+from tests.ports import free_ports
 
-def free_ports(count: int) -> list[int]:
-    """Ports the kernel hands out now; the cluster bus uses port + 10000, so keep them low."""
-    ports: list[int] = []
-    while len(ports) < count:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port + 10000 < 65536 and port not in ports and _free(port + 10000):
-            ports.append(port)
-    return ports
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+__all__ = ["LocalCluster", "free_ports"]
 
 
 @dataclass
@@ -57,8 +39,8 @@ class LocalCluster:
         self.ports = free_ports(self.primaries * (1 + self.replicas))
         for port in self.ports:
             self.start_node(port)
-        for port in self.ports:
-            _wait_ping(port)
+        for index, port in enumerate(self.ports):
+            self.ports[index] = self._started(port)
         command = ["redis-cli", "--cluster", "create"]
         command += [f"127.0.0.1:{p}" for p in self.ports]
         command += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
@@ -83,6 +65,20 @@ class LocalCluster:
         self.processes[port] = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+
+    def _started(self, port: int, tries: int = 3) -> int:
+        """The node's port once it answers; a node that exits at start (its
+        port taken between the check and the bind) starts again elsewhere."""
+        for attempt in range(1, tries + 1):
+            if _wait_ping(port, self.processes[port]):
+                return port
+            log = _tail(self.state_dir / str(port) / "redis.log")
+            del self.processes[port]
+            if attempt == tries:
+                raise TimeoutError(f"redis-server on {port} did not start: {log}")
+            (port,) = free_ports(1, exclude=self.ports)
+            self.start_node(port)
+        raise AssertionError("unreachable")
 
     def wait_ok(self, timeout_s: float = 30) -> None:
         """Until every live node says cluster_state:ok and agrees on all slots."""
@@ -187,15 +183,24 @@ class LocalCluster:
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
-def _wait_ping(port: int, timeout_s: float = 10) -> None:
+def _wait_ping(port: int, process: subprocess.Popen[bytes], timeout_s: float = 10) -> bool:
+    """Whether the server on ``port`` answered before it exited or time ran out."""
     deadline = time.monotonic() + timeout_s
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and process.poll() is None:
         with contextlib.suppress(redis.ConnectionError):
             if client.ping():
-                return
+                return True
         time.sleep(0.05)
-    raise TimeoutError(f"redis-server on {port} did not start")
+    process.kill()
+    process.wait()
+    return False
+
+
+def _tail(log: Path, lines: int = 5) -> str:
+    with contextlib.suppress(OSError):
+        return " | ".join(log.read_text().splitlines()[-lines:])
+    return "(no log)"
 
 
 # --- fixtures: a module imports these to run its tests on a cluster ----------

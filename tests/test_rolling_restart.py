@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 from collections.abc import AsyncIterator
 
@@ -17,6 +16,7 @@ import pytest
 import redis
 
 from tests.balancer import Balancer
+from tests.ports import free_ports
 from tests.stack import Stack
 from wsinfer.clients import Client, connect
 
@@ -28,15 +28,9 @@ SESSIONS, PER_CLIENT = 100, 10
 ENGINE_FLAGS = ("--max-batch-size", "4", "--drain-grace", "2", "--threads", "1")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 async def balancer() -> AsyncIterator[Balancer]:
-    balancer = await Balancer([free_port(), free_port()]).start()
+    balancer = await Balancer(free_ports(2)).start()
     yield balancer
     await balancer.stop()
 

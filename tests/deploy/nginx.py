@@ -7,13 +7,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.ports import free_ports
+
 CONF = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "wsinfer.conf"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class NginxProxy:
@@ -22,7 +18,7 @@ class NginxProxy:
     def __init__(self, state: Path, upstreams: list[int]) -> None:
         self.state = state
         self.upstreams = upstreams
-        self.http_port, self.tls_port = free_port(), free_port()
+        self.http_port, self.tls_port = free_ports(2, exclude=upstreams)
         self.process: subprocess.Popen[bytes] | None = None
         self._certificate()
         site = CONF.read_text()

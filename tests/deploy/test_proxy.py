@@ -16,7 +16,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from tests.deploy.nginx import NginxProxy, free_port
+from tests.deploy.nginx import NginxProxy
+from tests.ports import free_ports
 from tests.stack import Client, Stack, joined
 
 pytestmark = pytest.mark.skipif(shutil.which("nginx") is None, reason="needs nginx")
@@ -26,7 +27,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 300}
 
 @pytest.fixture
 def proxy(tmp_path: Path) -> Iterator[NginxProxy]:
-    proxy = NginxProxy(tmp_path, upstreams=[free_port(), free_port()])
+    proxy = NginxProxy(tmp_path, upstreams=free_ports(2))
     yield proxy
     proxy.stop()
 
