@@ -259,10 +259,11 @@ class CoreBase:
             seq = self._seqs.get(rid)
             if seq is None:
                 continue
-            if pause:
-                outputs.append(self._final_output(seq, None, [], "", paused=True))
-            else:
-                outputs.append(self._final_output(seq, "cancelled", [], seq.detok.flush()))
+            # Text still held back (the possible start of a stop string) is not
+            # released: with no new token its delta would repeat the last delta's seq,
+            # which followers drop as already seen. The turn's text ends before it.
+            reason: FinishReason | None = None if pause else "cancelled"
+            outputs.append(self._final_output(seq, reason, [], "", paused=pause))
         self._aborts.clear()
         return outputs
 

@@ -203,6 +203,31 @@ def test_abort_cancels(tiny: LoadedModel) -> None:
     assert outs["b"][-1].finish_reason == "length"
 
 
+def test_a_stop_while_text_is_held_back_ends_the_turn_before_it(tiny: LoadedModel) -> None:
+    """Stopped while a token's text is held back (it may begin a stop string), the turn
+    ends with no text of its own: a delta for it would carry no token and so repeat the
+    last delta's seq, which every follower drops as already seen (its text lost to all
+    of them, though the next turn's prompt would hold it)."""
+    ids = prompt(tiny.tokenizer, "Once upon a time")
+    free = EngineCore(tiny)
+    free.add(request("a", ids, dataclasses.replace(GREEDY, max_new_tokens=20)))
+    texts = [out.text for out in run_all(free)["a"]]
+    target = next(i for i, text in enumerate(texts) if i >= 2 and text.strip())
+    # A stop string that begins with the target token's last character, and never matches.
+    held = texts[target][-1]
+    params = dataclasses.replace(GREEDY, max_new_tokens=20, stop=(held + "\x00",))
+    core = EngineCore(tiny)
+    core.add(request("a", ids, params))
+    outs: list[RequestOutput] = []
+    while not outs or outs[-1].num_generated < target + 1:
+        outs += core.step()
+    assert "".join(texts[: target + 1]).startswith(text_of(outs) + held)
+    core.abort("a")
+    final = run_all(core)["a"]
+    assert len(final) == 1 and final[0].finish_reason == "cancelled"
+    assert final[0].text == "" and final[0].num_generated == target + 1
+
+
 def test_abort_while_waiting(tiny: LoadedModel) -> None:
     core = EngineCore(tiny)
     core.add(request("a", [5, 6, 7]))
