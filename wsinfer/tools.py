@@ -1,0 +1,409 @@
+"""Tool calling: the tools a turn may call, how the model is told of them, and its
+calls read back out of its text.
+
+The shapes are OpenAI's (chat completions, and the WebSocket ``params``):
+
+- ``tools``: ``[{"type": "function", "function": {"name", "description"?,
+  "parameters"?, "strict"?}}]``;
+- ``tool_choice``: ``"none"``, ``"auto"`` (the default), ``"required"`` (at least
+  one call), or ``{"type": "function", "function": {"name"}}`` (that one);
+- ``parallel_tool_calls``: false allows at most one call.
+
+The model writes its calls in the Hermes format, which Qwen2.5/Qwen3, Hermes 2/3,
+SmolLM3 and most open models' chat templates teach:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+A chat template that knows tools renders them itself; one that does not (SmolLM2's)
+gets them in a system message worded as Qwen2.5's template words it, and its
+``tool`` messages as ``<tool_response>`` blocks in a user message. ``required`` and
+a named function are enforced while sampling: a grammar (``call_format``) holds the
+draws to calls of the allowed tools, each with arguments valid for its parameters.
+
+Checked values travel as strings (canonical JSON, a mode, or ``function:NAME``), so
+the turn record stays flat and the parameters stay hashable.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
+
+# Tools travel in every turn's record and their schemas are compiled: bounded.
+MAX_TOOLS = 64
+MAX_TOOLS_CHARS = 32_768
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MODES = ("none", "auto", "required")
+# How a call is written: compact JSON with the usual separators (as the grammar
+# allows it), so a conversation resent with its calls renders the same tokens.
+SEPARATORS = (", ", ": ")
+
+
+class ToolsError(ValueError):
+    """``tools``, ``tool_choice`` or a message's tool calls are malformed."""
+
+
+# --- checking what comes in --------------------------------------------------------
+
+
+def canonical_tools(raw: Any) -> str | None:
+    """The checked tools as canonical JSON (None for none): OpenAI's shape, with
+    ``parameters`` defaulted to an object schema and ``strict`` to false."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise ToolsError(f"tools must be a list of at most {MAX_TOOLS} tools")
+    if not raw:
+        return None
+    tools = [_tool(item, i) for i, item in enumerate(raw)]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise ToolsError("tool names must be unique")
+    text = json.dumps(tools, separators=(",", ":"), ensure_ascii=False)
+    if len(text) > MAX_TOOLS_CHARS:
+        raise ToolsError(f"tools are longer than {MAX_TOOLS_CHARS} characters")
+    return text
+
+
+def _tool(item: Any, index: int) -> dict[str, Any]:
+    where = f"tools[{index}]"
+    if not isinstance(item, dict) or item.get("type") != "function":
+        raise ToolsError(f'{where} must be {{"type": "function", "function": {{...}}}}')
+    _only(item, {"type", "function"}, where)
+    function = item.get("function")
+    if not isinstance(function, dict):
+        raise ToolsError(f"{where}.function must be an object")
+    _only(function, {"name", "description", "parameters", "strict"}, f"{where}.function")
+    name = function.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ToolsError(f"{where}.function.name must be 1-64 letters, digits, _ or -")
+    out: dict[str, Any] = {"name": name}
+    description = function.get("description")
+    if description is not None:
+        if not isinstance(description, str):
+            raise ToolsError(f"{where}.function.description must be a string")
+        out["description"] = description
+    parameters = function.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise ToolsError(f"{where}.function.parameters must be a JSON schema (an object)")
+    out["parameters"] = parameters
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ToolsError(f"{where}.function.strict must be a boolean")
+    out["strict"] = bool(strict)
+    return {"type": "function", "function": out}
+
+
+def canonical_choice(raw: Any) -> str:
+    """``none``, ``auto``, ``required`` or ``function:NAME``."""
+    if isinstance(raw, str) and raw in MODES:
+        return raw
+    if isinstance(raw, dict) and raw.get("type") == "function":
+        _only(raw, {"type", "function"}, "tool_choice")
+        function = raw.get("function")
+        if isinstance(function, dict) and set(function) == {"name"}:
+            name = function["name"]
+            if isinstance(name, str) and NAME.fullmatch(name):
+                return f"function:{name}"
+    raise ToolsError(
+        'tool_choice must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}'
+    )
+
+
+def check_choice(tools: str | None, choice: str | None) -> None:
+    """A choice that asks for a call needs tools, and a named one one of them."""
+    if choice is None or choice in ("none", "auto"):
+        return
+    names = tool_names(tools)
+    if not names:
+        raise ToolsError(f"tool_choice {openai_choice(choice)!r} needs tools")
+    if choice.startswith("function:") and choice[len("function:") :] not in names:
+        raise ToolsError(f"tool_choice names {choice[len('function:') :]!r}, not one of the tools")
+
+
+def openai_choice(choice: str) -> Any:
+    """A checked choice in OpenAI's shape again."""
+    if choice.startswith("function:"):
+        return {"type": "function", "function": {"name": choice[len("function:") :]}}
+    return choice
+
+
+def tool_list(tools: str | None) -> list[dict[str, Any]]:
+    return list(json.loads(tools)) if tools else []
+
+
+def tool_names(tools: str | None) -> list[str]:
+    return [t["function"]["name"] for t in tool_list(tools)]
+
+
+def _only(raw: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(str(k) for k in raw if k not in allowed)
+    if unknown:
+        raise ToolsError(f"unknown fields in {where}: {', '.join(unknown)}")
+
+
+# --- messages: calls and results as the conversation's text -------------------------
+
+
+def call_text(name: str, arguments: Any) -> str:
+    """One call as the model writes it."""
+    body = json.dumps(
+        {"name": name, "arguments": arguments}, separators=SEPARATORS, ensure_ascii=False
+    )
+    return f"{OPEN}\n{body}\n{CLOSE}"
+
+
+def assistant_text(content: str | None, tool_calls: Any, where: str) -> str:
+    """An assistant message that made calls, as the text the model wrote for it: its
+    content (if any), then each call (OpenAI's ``arguments`` is JSON text)."""
+    if not isinstance(tool_calls, list) or not tool_calls:
+        raise ToolsError(f"{where}.tool_calls must be a non-empty list")
+    parts = [content] if content else []
+    for i, call in enumerate(tool_calls):
+        at = f"{where}.tool_calls[{i}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function":
+            raise ToolsError(f'{at} must be {{"id", "type": "function", "function"}}')
+        _only(call, {"id", "type", "function", "index"}, at)
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise ToolsError(f"{at}.function must be an object")
+        _only(function, {"name", "arguments"}, f"{at}.function")
+        name, arguments = function.get("name"), function.get("arguments", "{}")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ToolsError(f"{at}.function.name must be 1-64 letters, digits, _ or -")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ToolsError(f"{at}.function.arguments must be a JSON object, as text")
+        parts.append(call_text(name, parsed))
+    return "\n".join(parts)
+
+
+def template_messages(
+    messages: list[dict[str, str]], tools: str | None, native: bool
+) -> list[dict[str, str]]:
+    """The conversation for a chat template: as it is where the template knows tools
+    (``native``), else with the tools in a system message and each run of ``tool``
+    messages as one user message of ``<tool_response>`` blocks."""
+    if native:
+        return messages
+    out: list[dict[str, str]] = []
+    results: list[str] = []  # the run of tool results not yet written
+    for message in [*messages, {"role": "end", "content": ""}]:
+        if message["role"] == "tool":
+            results.append(f"<tool_response>\n{message['content']}\n</tool_response>")
+            continue
+        if results:
+            out.append({"role": "user", "content": "\n".join(results)})
+            results = []
+        if message["role"] != "end":
+            out.append(message)
+    if tools:
+        prompt = tools_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def tools_prompt(tools: str) -> str:
+    """The tools as Qwen2.5's chat template tells them to the model."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in _for_prompt(tools))
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{lines}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def template_tools(tools: str | None) -> list[dict[str, Any]] | None:
+    """The tools as a chat template takes them (``apply_chat_template(tools=...)``)."""
+    return _for_prompt(tools) if tools else None
+
+
+def _for_prompt(tools: str) -> list[dict[str, Any]]:
+    out = []
+    for tool in tool_list(tools):
+        function = {k: v for k, v in tool["function"].items() if k != "strict"}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+# --- the grammar of a required call -------------------------------------------------
+
+
+def call_format(tools: str | None, choice: str | None, parallel: bool) -> str | None:
+    """The constraint a choice puts on the draws, as a format the engine compiles
+    (``grammar_for``); None where the model is free (``auto``, ``none``)."""
+    if not tools or choice is None or choice in ("none", "auto"):
+        return None
+    allowed = tool_list(tools)
+    if choice.startswith("function:"):
+        allowed = [t for t in allowed if t["function"]["name"] == choice[len("function:") :]]
+    spec = {
+        "type": "tool_calls",
+        "tools": [t["function"] for t in allowed],
+        "parallel": parallel,
+    }
+    return json.dumps(spec, separators=(",", ":"), ensure_ascii=False)
+
+
+def is_call_format(text: str) -> bool:
+    return text.startswith('{"type":"tool_calls"')
+
+
+def grammar_for(text: str) -> str:
+    """A Lark grammar for llguidance: one call (or, in parallel, several, a newline
+    between), each ``{"name": N, "arguments": {...}}`` for one of the allowed tools,
+    with arguments valid for that tool's parameters."""
+    spec = json.loads(text)
+    layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    strict = all(t["strict"] for t in spec["tools"])
+    bodies = []
+    for tool in spec["tools"]:
+        schema = {
+            "type": "object",
+            "properties": {"name": {"const": tool["name"]}, "arguments": tool["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+            "x-guidance": {**layout, "lenient": not strict},
+        }
+        bodies.append("%json " + json.dumps(schema, ensure_ascii=False))
+    start = 'start: call ("\\n" call)*' if spec["parallel"] else "start: call"
+    return "\n".join(
+        [
+            start,
+            f'call: "{OPEN}\\n" body "\\n{CLOSE}"',
+            "body: " + " | ".join(f"body{i}" for i in range(len(bodies))),
+            *(f"body{i}: {body}" for i, body in enumerate(bodies)),
+        ]
+    )
+
+
+def check_grammar(text: str) -> None:
+    problem = llguidance.LLMatcher.validate_grammar(grammar_for(text))
+    if problem:
+        raise ToolsError(f"the tools' parameters cannot be enforced: {problem[:300]}")
+
+
+# --- reading calls back out of the model's text -------------------------------------
+
+
+@dataclass
+class Parsed:
+    """What a piece of the model's text was: content to show, and calls it made."""
+
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, later: Parsed) -> None:
+        self.content += later.content
+        self.calls += later.calls
+
+
+class ToolCallParser:
+    """Splits a turn's text, fed in pieces, into content and complete calls.
+
+    What it hands out depends only on the text fed so far, never on how it was cut
+    into pieces (an engine that rebuilds a turn feeds it the text already published
+    in one piece), and it never takes back what it handed out: text that may start
+    a call (``<tool_``) is held until it is known not to. A call is handed out whole,
+    once its closing tag arrives; one whose body is not ``{"name": one of the tools,
+    "arguments": {...}}`` stays text, as the model wrote it. At the end of the turn
+    (``finish``) what is held is content, but a call whose closing tag never came
+    (the model ended the turn right after its JSON) counts if its body is a call.
+    """
+
+    def __init__(self, names: Iterable[str], call_id_prefix: str) -> None:
+        self.names = frozenset(names)
+        self.call_id_prefix = call_id_prefix
+        self.text = ""
+        self.done = 0  # text[:done] is handed out
+        self.count = 0  # calls handed out
+
+    def feed(self, piece: str) -> Parsed:
+        self.text += piece
+        out = Parsed()
+        while True:
+            start = self.text.find(OPEN, self.done)
+            if start < 0:
+                end = len(self.text) - _partial_open(self.text, self.done)
+                self._content(out, end)
+                return out
+            self._content(out, start)
+            close = self.text.find(CLOSE, start + len(OPEN))
+            if close < 0:
+                return out
+            end = close + len(CLOSE)
+            self._call_or_text(out, start + len(OPEN), close, end)
+
+    def finish(self) -> Parsed:
+        """The turn ended: everything held is handed out."""
+        out = self.feed("")
+        start = self.text.find(OPEN, self.done)
+        if start >= 0:
+            self._content(out, start)
+            self._call_or_text(out, start + len(OPEN), len(self.text), len(self.text))
+        self._content(out, len(self.text))
+        return out
+
+    def _content(self, out: Parsed, end: int) -> None:
+        if end > self.done:
+            out.content += self.text[self.done : end]
+            self.done = end
+
+    def _call_or_text(self, out: Parsed, body_start: int, body_end: int, end: int) -> None:
+        call = self._call(self.text[body_start:body_end])
+        if call is None:
+            self._content(out, end)
+            return
+        out.calls.append(call)
+        self.count += 1
+        self.done = end
+
+    def _call(self, body: str) -> dict[str, Any] | None:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or set(data) != {"name", "arguments"}:
+            return None
+        name, arguments = data["name"], data["arguments"]
+        if isinstance(arguments, str):  # some models write the arguments as JSON text
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        if name not in self.names or not isinstance(arguments, dict):
+            return None
+        return {
+            "index": self.count,
+            "id": f"{self.call_id_prefix}_{self.count}",
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+        }
+
+
+def _partial_open(text: str, start: int) -> int:
+    """How many characters at the end of ``text`` (from ``start``) begin ``<tool_call>``."""
+    for size in range(min(len(OPEN) - 1, len(text) - start), 0, -1):
+        if OPEN.startswith(text[len(text) - size :]):
+            return size
+    return 0
