@@ -27,8 +27,9 @@ from wsinfer.contract import (
 )
 
 Message = dict[str, Any]
-ChatMessage = Mapping[str, str]
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+# {role, content}; an assistant's may carry tool_calls, a tool's its tool_call_id.
+ChatMessage = Mapping[str, Any]
+FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class TextDelta:
     seq: int
     # With params.logprobs: the entries of this text's tokens (docs/protocol.md).
     logprobs: tuple[dict[str, Any], ...] = ()
+    # With params.tools: the calls the model completed here, in OpenAI's shape.
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,8 @@ class TurnState:
     parts: list[str] = field(default_factory=list)
     # With params.logprobs: every token's entry so far, in order.
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # With params.tools: every call the model made so far, in order.
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
     status: TurnStatus | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
@@ -234,7 +239,9 @@ class TurnState:
         self.parts.append(text)
         entries = tuple(msg.get("logprobs") or ())
         self.logprobs.extend(entries)
-        return TextDelta(text, seq, entries)
+        calls = tuple(msg.get("tool_calls") or ())
+        self.tool_calls.extend(calls)
+        return TextDelta(text, seq, entries, calls)
 
     def _apply_done(self, msg: Mapping[str, Any]) -> DoneEvent:
         self.finish_reason = str(msg.get("finish_reason") or "stop")

@@ -79,6 +79,12 @@ class Turn:
         return self.state.logprobs
 
     @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The calls the model made (a turn with ``params.tools``), in OpenAI's shape:
+        ``{index, id, type: "function", function: {name, arguments}}``."""
+        return self.state.tool_calls
+
+    @property
     def status(self) -> str | None:
         """``queued``, ``running``, ``paused`` or ``done``, as the server last said."""
         return None if self.state.status is None else self.state.status.value

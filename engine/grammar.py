@@ -21,6 +21,7 @@ import llguidance
 import llguidance.hf
 import torch
 
+from wsinfer import tools
 from wsinfer.response_format import ResponseFormatError, grammar_for
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
@@ -83,7 +84,7 @@ class Grammars:
             self._tokenizer = llguidance.hf.from_tokenizer(
                 self._hf, n_vocab=self.vocab_size, eos_token=self._eos or None
             )
-        pristine = llguidance.LLMatcher(self._tokenizer, grammar_for(response_format))
+        pristine = llguidance.LLMatcher(self._tokenizer, _grammar(response_format))
         if pristine.is_error():
             raise ResponseFormatError(f"response_format cannot be enforced: {pristine.get_error()}")
         self._compiled[response_format] = pristine
@@ -107,6 +108,11 @@ class Grammars:
                 target = mask[row]
                 matcher.unsafe_compute_mask_ptr(target.data_ptr(), 4 * self.words)
         return mask
+
+
+def _grammar(fmt: str) -> str:
+    """A format's grammar: a response_format's, or the calls a tool_choice requires."""
+    return tools.grammar_for(fmt) if tools.is_call_format(fmt) else grammar_for(fmt)
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -10,6 +10,7 @@ token log, so the client sees no gap and no duplicate.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -34,6 +35,7 @@ from wsinfer.sessions.schema import (
     DEFAULT_SESSION_TTL_S,
     DeltaEvent,
     DoneEvent,
+    GenerationParams,
     PausedEvent,
     TurnError,
     TurnEvent,
@@ -49,6 +51,7 @@ from wsinfer.sessions.worker import (
     WorkItem,
 )
 from wsinfer.startup import StartupError, require_redis, serve_metrics
+from wsinfer.tools import CLOSE, ToolCallParser, tool_names
 
 log = structlog.get_logger("wsinfer.engine")
 
@@ -89,6 +92,7 @@ class ActiveTurn:
     # for a poll interval (waiting for a batch slot, a long prefill) are polled.
     checked_at: float = 0.0
     idle_paused: bool = False  # the idle limit asked the core to pause it
+    calls: ToolCallParser | None = None  # a turn with tools: its text split into calls
 
 
 class EngineProcess:
@@ -235,14 +239,18 @@ class EngineProcess:
             self.store.save_prompt(claimed, prompt_ids)
         generated, seq = self.store.read_generated(session, turn)
         request_id = f"{session}:{turn}"
-        self.active[request_id] = ActiveTurn(
-            session, turn, claimed.epoch, item, len(prompt_ids), seq
-        )
+        active = ActiveTurn(session, turn, claimed.epoch, item, len(prompt_ids), seq)
+        params = history.current.params
+        if params.calls_tools:
+            active.calls = ToolCallParser(tool_names(params.tools), f"call_{session}_{turn}")
+            active.calls.feed(self.store.published_text(session, turn))  # already out
+            params = _held_to_its_calls(params)
+        self.active[request_id] = active
         self.core.add(
             EngineRequest(
                 request_id=request_id,
                 prompt_ids=prompt_ids,
-                params=history.current.params,
+                params=params,
                 generated_ids=generated,
                 cache_key=session,
             )
@@ -272,7 +280,8 @@ class EngineProcess:
         messages: list[dict[str, str]] = []
         for said, answer in history.chat_turns:
             messages += said + [{"role": "assistant", "content": answer}]
-        return render_chat(tokenizer, messages + (current.messages or []))
+        tools = current.params.tools if current.params.calls_tools else None
+        return render_chat(tokenizer, messages + (current.messages or []), tools)
 
     def _fail(self, item: WorkItem, claimed: ClaimedTurn, exc: Exception) -> None:
         seq = claimed.meta.seq
@@ -408,13 +417,13 @@ class EngineProcess:
         if out.new_token_ids or out.text:
             logprobs = wire_entries(out.logprobs, self.core.token_bytes) if out.logprobs else None
             tokens = list(out.new_token_ids)
-            events.append(DeltaEvent(out.num_generated, out.text, tokens, logprobs=logprobs))
+            events.append(_delta(turn, out, tokens, logprobs))
         fields: dict[str, Any] = {"pub": turn.published + 1}
         if not turn.announced:
             fields["prompt_tokens"] = turn.prompt_tokens
         if_stopped = None
         if out.finished or out.paused:
-            events.append(_final_event(out))
+            events.append(_final_event(out, called=turn.calls is not None and turn.calls.count > 0))
             cached = out.usage.cached_tokens if out.usage else 0
             fields["kv_engine"] = self.config.engine_id if out.kv_len else ""
             fields["kv_len"] = out.kv_len or 0
@@ -471,14 +480,49 @@ class EngineProcess:
         self.discard.discard(request_id)
 
 
-def _final_event(out: RequestOutput) -> TurnEvent:
+def _delta(
+    turn: ActiveTurn,
+    out: RequestOutput,
+    tokens: list[int],
+    logprobs: list[dict[str, Any]] | None,
+) -> DeltaEvent:
+    """The delta of ``out``; for a turn with tools, its content and completed calls.
+    What may begin a call stays held until a later delta, or the turn's last one (a
+    stopped turn's last output has no token, and so no delta of its own to carry it)."""
+    if turn.calls is None:
+        return DeltaEvent(out.num_generated, out.text, tokens, logprobs=logprobs)
+    parsed = turn.calls.feed(out.text)
+    if out.finished:
+        parsed.add(turn.calls.finish())
+    raw = out.text if parsed.content != out.text else None
+    calls = parsed.calls or None
+    return DeltaEvent(
+        out.num_generated, parsed.content, tokens, logprobs=logprobs, raw=raw, tool_calls=calls
+    )
+
+
+def _held_to_its_calls(params: GenerationParams) -> GenerationParams:
+    """A turn's params as the core runs them: a choice that requires a call is a
+    grammar; a single call, unless required, ends the turn at its closing tag."""
+    forced = params.tool_format
+    if forced is not None:
+        return dataclasses.replace(params, response_format=forced)
+    if not params.parallel_tool_calls:
+        return dataclasses.replace(params, stop=(*params.stop, CLOSE))
+    return params
+
+
+def _final_event(out: RequestOutput, called: bool = False) -> TurnEvent:
     if out.paused:
         return PausedEvent(out.num_generated)
     usage = out.usage or Usage(completion_tokens=out.num_generated)
     error = None
     if out.finish_reason == "error":  # the core chose the code where the error happened
         error = out.error or TurnError(ErrorCode.INTERNAL, "generation failed")
-    return DoneEvent(out.num_generated, out.finish_reason or "stop", usage, error)
+    reason = out.finish_reason or "stop"
+    if called and reason == "stop":  # it ended by itself after calling: OpenAI's reason
+        reason = "tool_calls"
+    return DoneEvent(out.num_generated, reason, usage, error)
 
 
 def run_engine(

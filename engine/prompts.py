@@ -2,18 +2,42 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
+from wsinfer.tools import template_messages, template_tools
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """The whole conversation through the chat template, ready for the assistant's reply."""
+_PROBE_TOOL = [{"type": "function", "function": {"name": "probe", "parameters": {}}}]
+_knows_tools: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: str | None = None
+) -> list[int]:
+    """The whole conversation through the chat template, ready for the assistant's
+    reply; with ``tools`` (canonical JSON), told of them as wsinfer/tools.py says."""
+    native = knows_tools(tokenizer)
+    conversation = template_messages(messages, tools, native)
+    extra = {"tools": template_tools(tools)} if native and tools else {}
     ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        conversation, add_generation_prompt=True, tokenize=True, return_dict=False, **extra
     )
     # Some tokenizer versions still hand back an encoding despite return_dict=False.
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+def knows_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders tools (Qwen's, Hermes', Llama
+    3.1's do; SmolLM2's ignores them): asked once per tokenizer, by rendering."""
+    known = _knows_tools.get(tokenizer)
+    if known is None:
+        probe = [{"role": "user", "content": "x"}]
+        plain = tokenizer.apply_chat_template(probe, tokenize=False)
+        told = tokenizer.apply_chat_template(probe, tools=_PROBE_TOOL, tokenize=False)
+        known = _knows_tools[tokenizer] = plain != told
+    return known
 
 
 def render_text(tokenizer: Any, prompt: str, history_ids: list[int]) -> list[int]:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgpack
 
 from wsinfer import response_format
+from wsinfer import tools as tool_calling
 from wsinfer.contract import ErrorCode
 from wsinfer.sessions import keys
 
@@ -28,7 +29,8 @@ CLOSE_LINGER_S = 30
 # An engine whose last heartbeat is older than this is not routed to.
 ENGINE_FRESH_S = 5.0
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+# tool_calls: a turn with tools that ended by itself after calling one or more.
+FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 
 # Bounds that keep one request from hurting everybody else.
 MAX_NEW_TOKENS_LIMIT = 4096
@@ -67,10 +69,21 @@ class GenerationParams:
     # Structured output: the checked response_format as canonical JSON (None: free
     # text). Clients send OpenAI's object; wsinfer/response_format.py checks it.
     response_format: str | None = None
+    # Tool calling (wsinfer/tools.py): the checked tools as canonical JSON, the
+    # choice (none, auto, required or function:NAME; None is auto), and whether a
+    # turn may make several calls.
+    tools: str | None = None
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def calls_tools(self) -> bool:
+        """The model is told of tools and its calls are read from its text."""
+        return self.tools is not None and self.tool_choice != "none"
 
     @classmethod
     def parse(cls, raw: Any) -> GenerationParams:
@@ -93,16 +106,41 @@ class GenerationParams:
             # A finished document allows only the end of the sequence, which min_tokens
             # forbids: no token would be left to draw.
             raise ParamsError("min_tokens cannot be combined with a response_format")
+        params._check_tools()
         return params
+
+    def _check_tools(self) -> None:
+        try:
+            tool_calling.check_choice(self.tools, self.tool_choice)
+        except tool_calling.ToolsError as exc:
+            raise ParamsError(str(exc)) from exc
+        forced = self.tool_format
+        if forced is None:
+            return
+        if self.response_format is not None:
+            raise ParamsError("a tool_choice that requires a call excludes a response_format")
+        if self.min_tokens:
+            raise ParamsError(
+                "min_tokens cannot be combined with a tool_choice that requires a call"
+            )
+        try:
+            tool_calling.check_grammar(forced)
+        except tool_calling.ToolsError as exc:
+            raise ParamsError(str(exc)) from exc
+
+    @property
+    def tool_format(self) -> str | None:
+        """The grammar format of a tool_choice that requires a call (None: free)."""
+        return tool_calling.call_format(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["stop"] = list(self.stop)
-        # Fields at their default are left out: an engine from before them reads every
-        # turn that does not use them as ever (a rolling upgrade).
-        for name in ("ignore_eos", "min_tokens", "logprobs", "top_logprobs", "response_format"):
+        for name in _LEFT_OUT_WHEN_OFF:
             if not out[name]:
                 del out[name]
+        if out["parallel_tool_calls"]:
+            del out["parallel_tool_calls"]
         return out
 
     @classmethod
@@ -110,6 +148,19 @@ class GenerationParams:
         raw = dict(raw)
         raw["stop"] = tuple(raw.get("stop") or ())
         return cls(**raw)
+
+
+# Fields at their default are left out of a turn record: an engine from before them
+# reads every turn that does not use them as ever (a rolling upgrade).
+_LEFT_OUT_WHEN_OFF = (
+    "ignore_eos",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+)
 
 
 def _int_in(lo: int, hi: int, name: str) -> Any:
@@ -176,6 +227,22 @@ def _response_format(value: Any) -> str | None:
         raise ParamsError(str(exc)) from exc
 
 
+def _tools(value: Any) -> str | None:
+    try:
+        return tool_calling.canonical_tools(value)
+    except tool_calling.ToolsError as exc:
+        raise ParamsError(str(exc)) from exc
+
+
+def _tool_choice(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        return tool_calling.canonical_choice(value)
+    except tool_calling.ToolsError as exc:
+        raise ParamsError(str(exc)) from exc
+
+
 _PARAM_CHECKS: dict[str, Any] = {
     "max_new_tokens": _int_in(1, MAX_NEW_TOKENS_LIMIT, "max_new_tokens"),
     "temperature": _temperature,
@@ -191,6 +258,9 @@ _PARAM_CHECKS: dict[str, Any] = {
     "logprobs": _flag("logprobs"),
     "top_logprobs": _int_in(0, MAX_TOP_LOGPROBS, "top_logprobs"),
     "response_format": _response_format,
+    "tools": _tools,
+    "tool_choice": _tool_choice,
+    "parallel_tool_calls": _flag("parallel_tool_calls"),
 }
 
 
@@ -326,6 +396,15 @@ class DeltaEvent:
     # With params.logprobs: one entry per content token of ``tokens`` (an end-of-sequence
     # token is none), in OpenAI's chat shape: {"token", "logprob", "bytes", "top_logprobs"}.
     logprobs: list[dict[str, Any]] | None = None
+    # A turn with tools: ``text`` is its content (calls taken out), ``raw`` what the
+    # model wrote where that differs (the conversation's next prompt renders it), and
+    # ``tool_calls`` the calls completed here, in OpenAI's shape.
+    raw: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @property
+    def model_text(self) -> str:
+        return self.text if self.raw is None else self.raw
 
 
 @dataclass(frozen=True)
@@ -374,6 +453,10 @@ def pack(message: Any) -> bytes:
         data["kind"] = "delta"
         if message.logprobs is not None:
             data["logprobs"] = message.logprobs
+        if message.raw is not None:
+            data["raw"] = message.raw
+        if message.tool_calls is not None:
+            data["tool_calls"] = message.tool_calls
     else:
         data = asdict(message)
         if isinstance(message, DoneEvent) and message.error is not None:

@@ -338,7 +338,7 @@ class WorkerStore:
         for earlier in range(1, turn):
             past = self._turn_input(session, earlier)
             events = self._events(session, earlier)
-            text = "".join(e.text for e in events if isinstance(e, DeltaEvent))
+            text = "".join(e.model_text for e in events if isinstance(e, DeltaEvent))
             history.chat_turns.append((past.messages or [], text))
         return history
 
@@ -367,6 +367,11 @@ class WorkerStore:
                 ids.extend(event.tokens)
                 seq = event.seq
         return ids, seq
+
+    def published_text(self, session: str, turn: int) -> str:
+        """What the model wrote in the turn so far, as published (calls included)."""
+        events = self._events(session, turn)
+        return "".join(e.model_text for e in events if isinstance(e, DeltaEvent))
 
     def _events(self, session: str, turn: int) -> list[TurnEvent]:
         entries = self.redis.xrange(keys.turn_stream(session, turn)) or []

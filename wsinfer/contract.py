@@ -60,6 +60,7 @@ class FinishReason(str, Enum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
+    TOOL_CALLS = "tool_calls"  # a turn with tools ended by itself after calling
 
 
 class TurnStatus(str, Enum):

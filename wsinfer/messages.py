@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import msgpack
 
+from wsinfer import tools as tool_calling
 from wsinfer.contract import (
     ClientMessageType,
     ErrorCode,
@@ -26,12 +27,13 @@ JSON_SUBPROTOCOL = "wsinfer.v1.json"
 MSGPACK_SUBPROTOCOL = "wsinfer.v1.msgpack"
 SUBPROTOCOLS = (JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL)
 
-ROLES = frozenset({"system", "user", "assistant"})
+ROLES = frozenset({"system", "user", "assistant", "tool"})
 # The server echoes a client's id: a long one would be sent back in every answer.
 MAX_ID_CHARS = 256
-# The deepest legal message is 3 containers deep (messages -> item -> content);
-# anything much deeper is hostile, and is refused before anything recurses on it.
-MAX_DEPTH = 8
+# A message nests as deep as the JSON Schemas it carries (a tool's parameters, a
+# response_format): 32 levels hold any schema a person writes; anything deeper is
+# hostile, and is refused before anything recurses on it.
+MAX_DEPTH = 32
 # Integers travel through msgpack and Redis: 64 bits, like every other client.
 MIN_INT, MAX_INT = -(2**63), 2**64 - 1
 # Parts of a bad message quoted back in an error are cut to this length.
@@ -169,16 +171,38 @@ def _parse_messages(raw: Any, limits: Limits) -> list[dict[str, str]]:
         raise BadRequest("messages must be a non-empty list")
     if len(raw) > limits.max_messages:
         raise TooLarge(f"at most {limits.max_messages} messages per generate")
-    out = []
-    for item in raw:
-        if not isinstance(item, dict) or set(item) != {"role", "content"}:
-            raise BadRequest("each message must be {role, content}")
-        if not isinstance(item["role"], str) or item["role"] not in ROLES:
-            raise BadRequest(f"role must be one of {sorted(ROLES)}")
-        if not isinstance(item["content"], str):
-            raise BadRequest("content must be a string")
-        out.append({"role": item["role"], "content": item["content"]})
-    return out
+    return [_parse_message(item, i) for i, item in enumerate(raw)]
+
+
+def _parse_message(item: Any, index: int) -> dict[str, str]:
+    """``{role, content}``; an assistant's may carry ``tool_calls`` (its content then
+    optional), a tool's result its ``tool_call_id``. Calls are kept as the text the
+    model writes for them (wsinfer/tools.py), so a conversation is plain messages."""
+    if not isinstance(item, dict) or "role" not in item:
+        raise BadRequest("each message must be {role, content}")
+    role = item["role"]
+    if not isinstance(role, str) or role not in ROLES:
+        raise BadRequest(f"role must be one of {sorted(ROLES)}")
+    extra = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
+    if set(item) - {"role", "content"} - extra:
+        raise BadRequest(
+            "each message must be {role, content} (tool_calls: assistant only, "
+            "tool_call_id: tool only)"
+        )
+    content = item.get("content")
+    if "tool_calls" in item:
+        if content is not None and not isinstance(content, str):
+            raise BadRequest("content must be a string (or null with tool_calls)")
+        try:
+            content = tool_calling.assistant_text(content, item["tool_calls"], f"messages[{index}]")
+        except tool_calling.ToolsError as exc:
+            raise BadRequest(str(exc)) from exc
+    elif not isinstance(content, str):
+        raise BadRequest("content must be a string")
+    call_id = item.get("tool_call_id")
+    if call_id is not None and (not isinstance(call_id, str) or len(call_id) > MAX_ID_CHARS):
+        raise BadRequest(f"tool_call_id must be a string of at most {MAX_ID_CHARS} characters")
+    return {"role": role, "content": content}
 
 
 def _parse_generate(data: dict[str, Any], limits: Limits) -> Generate:
@@ -266,7 +290,12 @@ def session_message(
 
 
 def delta_message(
-    session: str, turn: int, seq: int, text: str, logprobs: list[dict[str, Any]] | None = None
+    session: str,
+    turn: int,
+    seq: int,
+    text: str,
+    logprobs: list[dict[str, Any]] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     message = {
         "type": ServerMessageType.DELTA.value,
@@ -277,6 +306,8 @@ def delta_message(
     }
     if logprobs:
         message["logprobs"] = logprobs
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return message
 
 

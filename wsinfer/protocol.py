@@ -361,15 +361,22 @@ class ConnectionProtocol:
         feed.last_seq = event.seq
         if event.logprobs:
             feed.held_logprobs.extend(event.logprobs)
-        if event.text:  # tokens still held back (partial UTF-8, stop prefix) carry no text
+        # Tokens whose text is held back (partial UTF-8, a stop string's or a tool
+        # call's possible start) carry no text: their logprobs go with the next delta.
+        if event.text or event.tool_calls:
             logprobs, feed.held_logprobs = feed.held_logprobs or None, []
-            self._queue(delta_message(feed.session, feed.turn, event.seq, event.text, logprobs))
+            message = delta_message(
+                feed.session, feed.turn, event.seq, event.text, logprobs, event.tool_calls
+            )
+            self._queue(message)
 
     # --- output ---------------------------------------------------------------------
 
     def _queue(self, message: dict[str, Any]) -> None:
         self._outbox.append(message)
         self.outbox_bytes += _MESSAGE_OVERHEAD + len(message.get("text", ""))
+        for call in message.get("tool_calls") or ():
+            self.outbox_bytes += _MESSAGE_OVERHEAD + len(call["function"]["arguments"])
         for entry in message.get("logprobs") or ():
             self.outbox_bytes += _LOGPROB_BYTES * (1 + len(entry["top_logprobs"]))
 
@@ -443,6 +450,8 @@ def _coalesce(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             and prev["type"] == _DELTA
             and prev["session"] == message["session"]
             and prev["turn"] == message["turn"]
+            and "tool_calls" not in prev  # a call stays where it came, between texts
+            and "tool_calls" not in message
         ):
             texts.append(message["text"])
             entries.extend(message.get("logprobs") or ())

@@ -38,6 +38,7 @@ export const FinishReason = Object.freeze({
   LENGTH: "length",
   CANCELLED: "cancelled",
   ERROR: "error",
+  TOOL_CALLS: "tool_calls",
 });
 
 export const TurnStatus = Object.freeze({

@@ -23,8 +23,13 @@ export declare const ErrorCode: { readonly [name: string]: ServerErrorCode };
 export declare const ClientErrorCode: { readonly [name: string]: ClientErrorCode };
 
 export interface Message {
-  role: "system" | "user" | "assistant";
-  content: string;
+  role: "system" | "user" | "assistant" | "tool";
+  /** May be null in an assistant message that carries tool_calls. */
+  content: string | null;
+  /** An assistant's calls, as a turn's toolCalls (index optional). */
+  tool_calls?: (Omit<ToolCall, "index"> & { index?: number })[];
+  /** A tool's result: the call it answers. */
+  tool_call_id?: string;
 }
 
 /** Sampling parameters; unknown keys are refused by the server. */
@@ -47,6 +52,25 @@ export interface GenerateParams {
   top_logprobs?: number;
   /** Structured output: every draw is held to the format (docs/protocol.md). */
   response_format?: ResponseFormat;
+  /** Tools the model may call (docs/protocol.md, "Tool calling"). */
+  tools?: Tool[];
+  tool_choice?: "none" | "auto" | "required" | { type: "function"; function: { name: string } };
+  /** false: at most one call. */
+  parallel_tool_calls?: boolean;
+}
+
+/** OpenAI's function tool. */
+export interface Tool {
+  type: "function";
+  function: { name: string; description?: string; parameters?: object; strict?: boolean };
+}
+
+/** A call the model made, OpenAI's shape: `arguments` is JSON text. */
+export interface ToolCall {
+  index: number;
+  id: string;
+  type: "function";
+  function: { name: string; arguments: string };
 }
 
 /** OpenAI's response_format shapes. */
@@ -79,7 +103,7 @@ export interface Usage {
   cached_tokens: number;
 }
 
-export type FinishReason = "stop" | "length" | "cancelled" | "error";
+export type FinishReason = "stop" | "length" | "cancelled" | "error" | "tool_calls";
 /** The server's status, plus "starting" (not answered yet) and "error" (failed here). */
 export type TurnStatus = "starting" | "queued" | "running" | "paused" | "done" | "error";
 export type ConnectionState = "idle" | "connecting" | "open" | "reconnecting" | "closed";
@@ -125,7 +149,13 @@ export declare class WsinferError extends Error {
   static fromMessage(msg: { code?: string; message?: string; retry_after?: number; session?: string; id?: string | number }): WsinferError;
 }
 
-export interface DeltaDetail { text: string; seq: number; time: number; logprobs?: TokenLogprob[]; }
+export interface DeltaDetail {
+  text: string;
+  seq: number;
+  time: number;
+  logprobs?: TokenLogprob[];
+  toolCalls?: ToolCall[];
+}
 export interface PausedDetail { seq: number; }
 export interface SessionDetail { session: string; turn: number; }
 export interface DoneDetail {
@@ -171,6 +201,8 @@ export declare class WsinferTurn extends EventTarget implements AsyncIterable<st
   readonly text: string;
   /** With params.logprobs: the entries received by this page, in order. */
   logprobs: TokenLogprob[];
+  /** With params.tools: the calls received by this page, in order. */
+  toolCalls: ToolCall[];
   /** starting, running or paused. */
   readonly active: boolean;
   stop(): void;

@@ -123,6 +123,8 @@ export class WsinferTurn extends EventTarget {
     // With params.logprobs: each token's entry received by this page (a turn restored
     // after a reload starts with none for the text it already had).
     this.logprobs = [];
+    // With params.tools: each call received by this page, in order.
+    this.toolCalls = [];
     this._wakers = [];
     this.finished = new Promise((resolve, reject) => {
       this._resolve = resolve;
@@ -183,16 +185,18 @@ export class WsinferTurn extends EventTarget {
     for (const wake of wakers) wake();
   }
 
-  _applyDelta(seq, text, logprobs) {
+  _applyDelta(seq, text, logprobs, toolCalls) {
     if (seq <= this.seq) return false; // already applied: a replay after resume
     const now = performance.now();
     if (this.firstDeltaAt === null) this.firstDeltaAt = now;
     this.seq = seq;
     if (text) this._chunks.push(text);
     if (logprobs) this.logprobs.push(...logprobs);
+    if (toolCalls) this.toolCalls.push(...toolCalls);
     this.status = TurnStatus.RUNNING; // a delta is the server saying so
     const detail = { text, seq, time: now };
     if (logprobs) detail.logprobs = logprobs;
+    if (toolCalls) detail.toolCalls = toolCalls;
     this.dispatchEvent(event("delta", detail));
     this._wake();
     return true;
@@ -573,7 +577,7 @@ export class WsinferClient extends EventTarget {
   _on_delta(msg) {
     const turn = this._turnFor(msg);
     if (!turn || !turn.active || this._restarting(turn)) return;
-    if (turn._applyDelta(msg.seq, msg.text, msg.logprobs)) this._save();
+    if (turn._applyDelta(msg.seq, msg.text, msg.logprobs, msg.tool_calls)) this._save();
   }
 
   _on_paused(msg) {

@@ -35,6 +35,24 @@ async function confidence(question: string): Promise<number[]> {
   return turn.logprobs.map((entry) => Math.exp(entry.logprob));
 }
 
+// A required tool call, and its result sent back as the next turn's message.
+async function weather(city: string): Promise<string> {
+  const tools = [{ type: "function" as const, function: { name: "get_weather", parameters: { type: "object" } } }];
+  const turn = client.generate({
+    messages: [{ role: "user", content: `Weather in ${city}?` }],
+    params: { tools, tool_choice: "required", parallel_tool_calls: false },
+  });
+  turn.addEventListener("delta", (e) => console.log(e.detail.toolCalls?.[0]?.function.name));
+  const done: DoneDetail = await turn.finished;
+  const call = turn.toolCalls[0];
+  if (done.finishReason !== "tool_calls" || !call) return turn.text;
+  const next = client.generate({
+    messages: [{ role: "tool", content: "sunny", tool_call_id: call.id }],
+    params: { tools },
+  });
+  return (await next.finished).text;
+}
+
 // Resume after a reload: the answer continues from the last seq, no gap, no repeat.
 const restored: WsinferTurn | null = client.restoreTurn();
 if (restored) {
@@ -51,6 +69,7 @@ client.addEventListener("error", (e) => {
 
 try {
   await ask("hi");
+  await weather("Paris");
 } catch (err) {
   if (err instanceof WsinferError && err.code === "not_found") client.close();
 }
