@@ -486,7 +486,8 @@ BAD_COMPLETIONS: list[tuple[Any, int, str | None]] = [
     ({**GREEDY, "n": 3}, 400, "unsupported"),
     ({**GREEDY, "top_logprobs": 2}, 400, "bad_request"),  # needs logprobs: true
     ({**GREEDY, "logprobs": True, "top_logprobs": 21}, 400, "bad_request"),
-    ({**GREEDY, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported"),
+    ({**GREEDY, "functions": [{"name": "f"}]}, 400, "unsupported"),  # tools' deprecated form
+    ({**GREEDY, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "bad_request"),
     ({**GREEDY, "temperature": 9}, 400, "bad_request"),
     ({**GREEDY, "top_p": 0}, 400, "bad_request"),
     ({**GREEDY, "max_tokens": 100_000}, 400, "bad_request"),

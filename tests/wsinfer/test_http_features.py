@@ -139,3 +139,86 @@ async def test_legacy_completion_logprobs_whole_and_streamed(
     for bad in (21, -1, True, "3"):
         with pytest.raises(openai.BadRequestError, match="logprobs must be an integer"):
             await client.completions.create(**{**body, "logprobs": bad})
+
+
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "A city's weather",
+        "parameters": WEATHER_ARGS,
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+async def test_tool_calls_through_the_sdk_the_websocket_and_the_python_client(
+    serve: tuple[int, Path],  # noqa: F811
+) -> None:
+    """A required call (the random-weight model left alone never calls): the SDK's
+    whole answer, its stream helper's accumulated calls, the results sent back as
+    the next request; over WebSocket the call in a delta, the same on a resume; the
+    Python client's ``turn.tool_calls``."""
+    import jsonschema
+
+    from wsinfer.clients import connect
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    asked: Any = {
+        "model": "wsinfer", "messages": ASK, "tools": [WEATHER], "tool_choice": named,
+        "parallel_tool_calls": False, "temperature": 1.0, "max_tokens": 80,
+    }  # fmt: skip
+    whole = await client.chat.completions.create(**asked, seed=1)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls is not None and len(calls) == 1 and calls[0].type == "function"
+    call = calls[0].function  # type: ignore[union-attr]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_ARGS)
+    async with client.chat.completions.stream(**asked, seed=1) as stream:
+        final = await stream.get_final_completion()
+    streamed = final.choices[0].message.tool_calls
+    assert streamed is not None and streamed[0].function.arguments == call.arguments  # type: ignore[union-attr]
+    assert final.choices[0].finish_reason == "tool_calls"
+    # The result goes back with the call, as every OpenAI client sends it.
+    history = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": calls[0].id, "content": '{"sky": "clear"}'},
+    ]
+    answer = await client.chat.completions.create(
+        model="wsinfer", messages=history, tools=[WEATHER], max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.usage is not None and answer.usage.prompt_tokens > whole.usage.prompt_tokens  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError, match="not one of the tools"):
+        other = {"type": "function", "function": {"name": "get_time"}}
+        await client.chat.completions.create(**{**asked, "tool_choice": other})
+
+    params = {"tools": [WEATHER], "tool_choice": named, "parallel_tool_calls": False, "seed": 1}
+    ws = await Client.open(serve[0], additional_headers=AUTH)
+    await ws.send(type="generate", messages=ASK, params={**params, "temperature": 1.0})
+    messages = await ws.until("done")
+    session = messages[0]
+    delivered = [c for m in messages if m["type"] == "delta" for c in m.get("tool_calls", ())]
+    assert messages[-1]["finish_reason"] == "tool_calls" and len(delivered) == 1
+    assert delivered[0]["function"]["arguments"] == call.arguments  # the same draws (seed 1)
+    assert delivered[0]["id"] == f"call_{session['session']}_1_0"
+    await ws.send(type="resume", session=session["session"], token=session["token"], after=0)
+    replayed = await ws.until("done")
+    again = [c for m in replayed if m["type"] == "delta" for c in m.get("tool_calls", ())]
+    assert again == delivered
+    await ws.close()
+    async with connect(f"ws://127.0.0.1:{serve[0]}/v1/ws", api_key=KEY) as python:
+        turn = await python.start(messages=ASK, params={**params, "temperature": 1.0})
+        await turn.wait()
+        assert turn.finish_reason == "tool_calls" and len(turn.tool_calls) == 1
+        assert turn.tool_calls[0]["function"] == delivered[0]["function"]

@@ -70,7 +70,9 @@ def test_session_headers_continue_a_session() -> None:
         ({"tools": [{"type": "function"}]}, 400, "tools"),
         ({"frobnicate": 1}, 400, "frobnicate"),
         ({"messages": []}, 400, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role"),
+        ({"tool_choice": "required"}, 400, "needs tools"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400, "tool_calls"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
         ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"stream": "yes"}, 400, "stream"),
@@ -90,6 +92,30 @@ def test_a_response_format_reaches_the_turns_params_checked() -> None:
     chat = parse(response_format={"type": "json_object"})
     assert chat.generate.params.response_format == '{"type":"json_object"}'
     assert parse(response_format={"type": "text"}).generate.params.response_format is None
+
+
+def test_tools_calls_and_results_reach_the_turn_checked() -> None:
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    chat = parse(
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "sunny"},
+        ],
+        tools=[weather],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+    )
+    params = chat.generate.params
+    assert params.tools is not None and '"name":"get_weather"' in params.tools
+    assert (params.tool_choice, params.parallel_tool_calls) == ("function:get_weather", False)
+    assert chat.generate.messages == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant",
+         "content": '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'},
+        {"role": "tool", "content": "sunny"},
+    ]  # fmt: skip
 
 
 def test_values_are_checked_by_the_websocket_parser() -> None:

@@ -236,16 +236,18 @@ class HttpApp:
         """Wait for the turn's ``done`` (through pauses: a paused turn may be resumed)."""
         text: list[str] = []
         logprobs: list[dict[str, Any]] | None = [] if asked_logprobs else None
+        calls: list[dict[str, Any]] = []
         while True:
             for message in await peer.messages(KEEPALIVE_S):
                 if message["type"] == "delta":
                     text.append(message["text"])
+                    calls += message.get("tool_calls") or ()
                     if logprobs is not None:
                         logprobs += message.get("logprobs") or ()
                 elif message["type"] == "done" and message["finish_reason"] == "error":
                     return error_response(turn_error(message), headers)
                 elif message["type"] == "done":
-                    whole = completion.whole("".join(text), message, logprobs)
+                    whole = completion.whole("".join(text), message, logprobs, calls)
                     return HttpResponse.json(200, whole, headers)
 
     def _sse_response(

@@ -42,6 +42,10 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
+    # Text in, text out: the legacy endpoint has no tools.
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
 }
 
 
@@ -53,11 +57,11 @@ def parse_completion_request(
     # Its logprobs is an integer, the number of most likely tokens beside each drawn one
     # (0: the drawn one's only): there is no top_logprobs.
     known = {"model", "prompt", "stream", "stream_options", "max_tokens", *PARAMS}
-    check_fields(data, known - {"top_logprobs"}, _OFF_VALUES, IGNORED)
+    check_fields(data, known - {"top_logprobs", *_OFF_VALUES}, _OFF_VALUES, IGNORED)
     check_model(data, model)
     stream = flag(data, "stream")
     include_usage = stream_options(data.get("stream_options"), stream)
-    params = params_of({k: v for k, v in data.items() if k != "logprobs"})
+    params = params_of({k: v for k, v in data.items() if k != "logprobs" and k not in _OFF_VALUES})
     top = data.get("logprobs")
     if top is not None:
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -120,7 +124,7 @@ class TextCompletion(Completion):
 
     def chunk(
         self,
-        delta: dict[str, str],
+        delta: dict[str, Any],
         finish_reason: str | None = None,
         logprobs: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
@@ -133,7 +137,11 @@ class TextCompletion(Completion):
         return self._envelope(OBJECT, choices=[], usage=openai_usage(usage))
 
     def whole(
-        self, text: str, done: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+        self,
+        text: str,
+        done: dict[str, Any],
+        logprobs: list[dict[str, Any]] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,  # a text session has none
     ) -> dict[str, Any]:
         reason = openai_finish_reason(done["finish_reason"])
         legacy = None if logprobs is None else TextOffsets().legacy(logprobs)

@@ -35,16 +35,15 @@ STATUS_BY_CODE = {
 }
 
 # Accepted and ignored: they change nothing about the tokens we produce.
-IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 # Accepted only at the value that means "feature off".
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
+    "functions": (None, []),  # the deprecated form of tools
+    "function_call": (None, "none"),
 }
 # OpenAI name -> wsinfer params name; top_k, repetition_penalty, ignore_eos and
 # min_tokens are extensions (as in vLLM, whose benchmark clients send ignore_eos).
@@ -60,8 +59,17 @@ PARAMS = {
     "logprobs": "logprobs",
     "top_logprobs": "top_logprobs",
     "response_format": "response_format",  # checked by wsinfer/response_format.py
+    "tools": "tools",  # these three by wsinfer/tools.py
+    "tool_choice": "tool_choice",
+    "parallel_tool_calls": "parallel_tool_calls",
 }
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 class OpenAIError(Exception):
@@ -228,21 +236,33 @@ def stream_options(options: Any, stream: bool) -> bool:
     return flag(options, "include_usage")
 
 
-def _messages(raw: Any) -> list[dict[str, str]]:
+def _messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty array", "messages")
     return [_message(item, i) for i, item in enumerate(raw)]
 
 
-def _message(item: Any, index: int) -> dict[str, str]:
+def _message(item: Any, index: int) -> dict[str, Any]:
+    """A message as the WebSocket door takes it: its role mapped, its content parts
+    joined; an assistant's ``tool_calls`` and a tool's ``tool_call_id`` go with it."""
     param = f"messages[{index}]"
-    if not isinstance(item, dict) or set(item) - {"role", "content", "name"}:
+    allowed = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
+    if not isinstance(item, dict) or set(item) - allowed:
         raise bad_request(f"{param} must be {{role, content}} (name allowed)", param)
     raw_role = item.get("role")
     role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
     if role is None:
         raise bad_request(f"{param}.role must be one of {sorted(_ROLES)}", f"{param}.role")
-    return {"role": role, "content": _content(item.get("content"), f"{param}.content")}
+    message: dict[str, Any] = {"role": role}
+    if item.get("tool_calls") is not None:  # the content may then be null
+        message["tool_calls"] = item["tool_calls"]
+        if item.get("content") is not None:
+            message["content"] = _content(item["content"], f"{param}.content")
+    else:
+        message["content"] = _content(item.get("content"), f"{param}.content")
+    if item.get("tool_call_id") is not None:
+        message["tool_call_id"] = item["tool_call_id"]
+    return message
 
 
 def _content(content: Any, param: str) -> str:
@@ -290,7 +310,7 @@ class Completion:
 
     def chunk(
         self,
-        delta: dict[str, str],
+        delta: dict[str, Any],
         finish_reason: str | None = None,
         logprobs: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
@@ -307,9 +327,18 @@ class Completion:
         return self._envelope(OBJECT_CHUNK, choices=[], usage=openai_usage(usage))
 
     def whole(
-        self, text: str, done: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+        self,
+        text: str,
+        done: dict[str, Any],
+        logprobs: list[dict[str, Any]] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:  # OpenAI's calls carry no index in a whole message
+            message["tool_calls"] = [
+                {k: v for k, v in c.items() if k != "index"} for c in tool_calls
+            ]
+            message["content"] = text or None
         choice = {
             "index": 0,
             "message": message,
@@ -388,7 +417,10 @@ def sse_for(completion: Completion, message: dict[str, Any], include_usage: bool
     """
     kind = message["type"]
     if kind == "delta":
-        chunk = completion.chunk({"content": message["text"]}, logprobs=message.get("logprobs"))
+        delta: dict[str, Any] = {"content": message["text"]}
+        if message.get("tool_calls"):
+            delta = {"content": message["text"] or None, "tool_calls": message["tool_calls"]}
+        chunk = completion.chunk(delta, logprobs=message.get("logprobs"))
         return sse(chunk, message["seq"])
     if kind == "paused":
         return sse_comment(f"paused at seq {message['seq']}")

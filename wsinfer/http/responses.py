@@ -52,6 +52,7 @@ _KNOWN = {
 # What ``include`` may ask for: the output text's log-probabilities.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 _IGNORED = IGNORED | {"truncation", "prompt_cache_key", "safety_identifier", "stream_options"}
+_IGNORED |= {"parallel_tool_calls"}  # no tools here (yet): nothing to call in parallel
 # Accepted only at the value that means "feature off".
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
@@ -255,7 +256,7 @@ def outcome(done: dict[str, Any]) -> tuple[str, dict[str, Any] | None, dict[str,
     """A ``done``'s finish reason as a response's ``status``, ``incomplete_details``
     and ``error``. A turn a client stopped is ``cancelled``, as OpenAI's are."""
     reason = done["finish_reason"]
-    if reason == "stop":
+    if reason in ("stop", "tool_calls"):  # OpenAI's response that called is completed
         return "completed", None, None
     if reason == "length":
         return "incomplete", {"reason": "max_output_tokens"}, None
