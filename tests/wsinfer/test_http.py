@@ -483,7 +483,7 @@ BAD_COMPLETIONS: list[tuple[Any, int, str | None]] = [
     ({**GREEDY, "messages": []}, 400, "bad_request"),
     ({**GREEDY, "messages": [{"role": "wizard", "content": "x"}]}, 400, "bad_request"),
     ({**GREEDY, "messages": [{"role": "user", "content": None}]}, 400, "bad_request"),
-    ({**GREEDY, "n": 3}, 400, "unsupported"),
+    ({**GREEDY, "n": 9}, 400, "bad_request"),
     ({**GREEDY, "top_logprobs": 2}, 400, "bad_request"),  # needs logprobs: true
     ({**GREEDY, "logprobs": True, "top_logprobs": 21}, 400, "bad_request"),
     ({**GREEDY, "functions": [{"name": "f"}]}, 400, "unsupported"),  # tools' deprecated form

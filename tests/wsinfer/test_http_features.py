@@ -222,3 +222,103 @@ async def test_tool_calls_through_the_sdk_the_websocket_and_the_python_client(
         await turn.wait()
         assert turn.finish_reason == "tool_calls" and len(turn.tool_calls) == 1
         assert turn.tool_calls[0]["function"] == delivered[0]["function"]
+
+
+async def test_n_choices_whole_streamed_and_legacy(serve: tuple[int, Path]) -> None:  # noqa: F811
+    """``n``: each choice a session of its own, seeded seed + index, so a choice is
+    what a single request with that seed draws; one id, the usage of all; the
+    headers name every choice's session, which resumes on its own."""
+    import httpx
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
+    sampled: Any = {"model": "wsinfer", "messages": PROMPT, "temperature": 1.0, "max_tokens": 12}
+    raw = await client.chat.completions.with_raw_response.create(**sampled, n=3, seed=5)
+    three = raw.parse()
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    texts = [c.message.content for c in three.choices]
+    assert len(set(texts)) > 1  # different seeds, different draws
+    alone = await client.chat.completions.create(**sampled, seed=7)
+    assert alone.choices[0].message.content == texts[2]
+    assert three.usage is not None and alone.usage is not None
+    assert (
+        three.usage.completion_tokens == 36
+        and three.usage.prompt_tokens == alone.usage.prompt_tokens
+    )
+    sessions = raw.headers["X-Wsinfer-Session"].split(", ")
+    tokens = raw.headers["X-Wsinfer-Token"].split(", ")
+    assert len(sessions) == len(tokens) == 3 and three.id == f"chatcmpl-{sessions[0]}-1"
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{serve[0]}", headers=AUTH) as http:
+        for session, token in zip(sessions, tokens, strict=True):
+            info = await http.get(f"/v1/sessions/{session}", headers={"X-Wsinfer-Token": token})
+            assert info.json()["status"] == "done"
+
+    stream = await client.chat.completions.create(
+        **sampled, n=2, seed=5, stream=True, stream_options={"include_usage": True}
+    )
+    parts: dict[int, str] = {0: "", 1: ""}
+    reasons: dict[int, str | None] = {}
+    usage = None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            parts[choice.index] += choice.delta.content or ""
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert [parts[0], parts[1]] == texts[:2] and reasons == {0: "length", 1: "length"}
+    assert usage is not None and usage.completion_tokens == 24
+
+    legacy = await client.completions.create(
+        model="wsinfer", prompt="Once upon a time", n=2, max_tokens=4, seed=1, temperature=1.0
+    )
+    assert [c.index for c in legacy.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        await client.chat.completions.create(**sampled, n=9)
+    with pytest.raises(openai.BadRequestError, match="cannot continue"):
+        await client.chat.completions.create(
+            **sampled, n=2,
+            extra_headers={"X-Wsinfer-Session": sessions[0], "X-Wsinfer-Token": tokens[0]},
+        )  # fmt: skip
+
+
+async def test_a_choice_refused_after_others_started_closes_theirs(
+    serve: tuple[int, Path],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Choice 1 is refused (here: it names a session that does not exist) after
+    choice 0 started: the request is answered the refusal, and choice 0's session,
+    which nobody could name, is closed rather than left to run."""
+    import dataclasses
+
+    import httpx
+
+    from tests.wsinfer.test_http import in_process_frontend
+    from wsinfer.http import choices
+
+    real_choice, closed = choices._choice, []
+
+    def broken(generate: Any, index: int) -> Any:
+        if index == 1:
+            return dataclasses.replace(generate, session="nobody", token="t" * 32)
+        return real_choice(generate, index)
+
+    real_forget = choices.ManyChoices._forget
+
+    async def spy(self: Any, accepted: list[dict[str, Any]]) -> None:
+        closed.extend(accepted)
+        await real_forget(self, accepted)
+
+    monkeypatch.setattr(choices, "_choice", broken)
+    monkeypatch.setattr(choices.ManyChoices, "_forget", spy)
+    frontend = await in_process_frontend(serve)
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{frontend.port}", headers=AUTH, timeout=30
+        ) as http:
+            body = {"model": "wsinfer", "messages": PROMPT, "n": 2, "max_tokens": 2000}
+            response = await http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 404, response.text
+            assert len(closed) == 1
+            session, token = closed[0]["session"], closed[0]["token"]
+            info = await http.get(f"/v1/sessions/{session}", headers={"X-Wsinfer-Token": token})
+            assert info.status_code == 404
+    finally:
+        await frontend.stop()

@@ -66,7 +66,8 @@ def test_session_headers_continue_a_session() -> None:
     [
         ({"model": "other"}, 404, "model"),
         ({"model": 3}, 400, "model"),
-        ({"n": 2}, 400, "n"),
+        ({"n": 0}, 400, "n"),
+        ({"n": True}, 400, "n"),
         ({"tools": [{"type": "function"}]}, 400, "tools"),
         ({"frobnicate": 1}, 400, "frobnicate"),
         ({"messages": []}, 400, "messages"),

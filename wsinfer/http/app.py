@@ -29,10 +29,13 @@ from wsinfer.access import (
 )
 from wsinfer.contract import ClientMessageType
 from wsinfer.handlers import to_protocol_error
+from wsinfer.http.choices import ManyChoices
 from wsinfer.http.completions import TextCompletion, parse_completion_request
 from wsinfer.http.connection import HttpConnection, HttpRequest, HttpResponse
 from wsinfer.http.openai import (
+    SESSION_HEADER,
     SSE_KEEPALIVE,
+    TOKEN_HEADER,
     ChatRequest,
     Completion,
     OpenAIError,
@@ -41,6 +44,7 @@ from wsinfer.http.openai import (
     sse,
     sse_for,
     turn_error,
+    turn_headers,
 )
 from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
 from wsinfer.http.responses import loggable
@@ -53,9 +57,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("wsinfer.http")
 
-SESSION_HEADER = "X-Wsinfer-Session"
-TOKEN_HEADER = "X-Wsinfer-Token"
-TURN_HEADER = "X-Wsinfer-Turn"
 MAX_DIGITS = 18  # a seq or turn number; longer is no integer we could have sent
 
 Handler = Callable[..., Awaitable[HttpResponse]]
@@ -66,6 +67,7 @@ class HttpApp:
         self.frontend = frontend
         self.peers: set[HttpPeer] = set()  # the frontend keeps their sessions watched
         self.connections: set[HttpConnection] = set()
+        self.choices = ManyChoices(self)
         self.routes: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
             (re.compile(r"/v1/chat/completions"), {"POST": self.chat_completions}),
             (re.compile(r"/v1/completions"), {"POST": self.completions}),
@@ -208,6 +210,8 @@ class HttpApp:
         return await self._complete(text, TextCompletion)
 
     async def _complete(self, chat: ChatRequest, kind: type[Completion]) -> HttpResponse:
+        if chat.n > 1:
+            return await self.choices.complete(chat, kind)
         peer = self.open_peer()
         try:
             await peer.handlers.handle(chat.generate)
@@ -218,22 +222,22 @@ class HttpApp:
             raise
         model = self.frontend.config.model_name
         completion = kind(accepted["session"], accepted["turn"], model, created)
-        headers = [(TOKEN_HEADER, accepted["token"]), *_turn_headers(completion)]
+        headers = [(TOKEN_HEADER, accepted["token"]), *turn_headers([completion])]
         if chat.stream:
             return self._sse_response(peer, completion, headers, chat.include_usage, after=0)
         try:
-            return await self._whole(peer, completion, headers, chat.generate.params.logprobs)
+            answer = await self.answer(peer, completion, chat.generate.params.logprobs)
+        except OpenAIError as exc:
+            return error_response(exc, headers)
         finally:
             self.close_peer(peer)
+        return HttpResponse.json(200, answer, headers)
 
-    async def _whole(
-        self,
-        peer: HttpPeer,
-        completion: Completion,
-        headers: list[tuple[str, str]],
-        asked_logprobs: bool = False,
-    ) -> HttpResponse:
-        """Wait for the turn's ``done`` (through pauses: a paused turn may be resumed)."""
+    async def answer(
+        self, peer: HttpPeer, completion: Completion, asked_logprobs: bool = False
+    ) -> dict[str, Any]:
+        """Wait for the turn's ``done`` (through pauses: a paused turn may be resumed);
+        the whole answer, or ``OpenAIError`` for a turn that failed."""
         text: list[str] = []
         logprobs: list[dict[str, Any]] | None = [] if asked_logprobs else None
         calls: list[dict[str, Any]] = []
@@ -245,10 +249,9 @@ class HttpApp:
                     if logprobs is not None:
                         logprobs += message.get("logprobs") or ()
                 elif message["type"] == "done" and message["finish_reason"] == "error":
-                    return error_response(turn_error(message), headers)
+                    raise turn_error(message)
                 elif message["type"] == "done":
-                    whole = completion.whole("".join(text), message, logprobs, calls)
-                    return HttpResponse.json(200, whole, headers)
+                    return completion.whole("".join(text), message, logprobs, calls)
 
     def _sse_response(
         self,
@@ -258,17 +261,19 @@ class HttpApp:
         include_usage: bool,
         after: int,
     ) -> HttpResponse:
-        return self.sse_answer(peer, self._events(peer, completion, include_usage, after), headers)
+        events = self._events(peer, completion, include_usage, after)
+        return self.sse_answer(events, headers, lambda: self.close_peer(peer))
 
     def sse_answer(
-        self, peer: HttpPeer, events: AsyncIterator[bytes], headers: list[tuple[str, str]]
+        self,
+        events: AsyncIterator[bytes],
+        headers: list[tuple[str, str]],
+        cleanup: Callable[[], None],
     ) -> HttpResponse:
-        """An event stream that ``peer`` feeds, and that stops following when it ends."""
+        """An event stream; ``cleanup`` stops following its turns when it ends."""
         head = [("Content-Type", "text/event-stream; charset=utf-8"), ("Cache-Control", "no-store")]
         head.append(("X-Accel-Buffering", "no"))  # nginx: pass each event on at once
-        return HttpResponse(
-            200, [*head, *headers], stream=events, cleanup=lambda: self.close_peer(peer)
-        )
+        return HttpResponse(200, [*head, *headers], stream=events, cleanup=cleanup)
 
     async def created(self, session: str, turn: int) -> int:
         """When the turn started, as recorded in Redis: one ``created`` for a
@@ -316,7 +321,8 @@ class HttpApp:
         model, created = self.frontend.config.model_name, await self.created(session, turn)
         completion = _chunk_kind(request.query.get("object"))(session, turn, model, created)
         include_usage = request.query.get("include_usage", "").lower() in ("1", "true")
-        return self._sse_response(peer, completion, _turn_headers(completion), include_usage, after)
+        headers = turn_headers([completion])
+        return self._sse_response(peer, completion, headers, include_usage, after)
 
     async def info(self, request: HttpRequest, session: str) -> HttpResponse:
         info = await self.frontend.store.info(session, _session_token(request))
@@ -379,10 +385,6 @@ def error_response(exc: OpenAIError, headers: list[tuple[str, str]] | None = Non
     if exc.status == 401:
         extra.append(("WWW-Authenticate", "Bearer"))
     return HttpResponse.json(exc.status, exc.body(), extra)
-
-
-def _turn_headers(completion: Completion) -> list[tuple[str, str]]:
-    return [(SESSION_HEADER, completion.session), (TURN_HEADER, str(completion.turn))]
 
 
 def _info_body(session: str, turn: int, status: str, seq: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from wsinfer.http.openai import (
     bad_request,
     check_fields,
     check_model,
+    choices,
     flag,
     json_object,
     openai_finish_reason,
@@ -39,7 +40,7 @@ OBJECT = "text_completion"
 # The legacy endpoint's own options, accepted only where they change nothing.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     **OFF_VALUES,
-    "best_of": (None, 1),
+    "best_of": (None, 1),  # n is taken: n choices
     "echo": (None, False),
     "suffix": (None, ""),
     # Text in, text out: the legacy endpoint has no tools.
@@ -56,7 +57,7 @@ def parse_completion_request(
     data = json_object(body)
     # Its logprobs is an integer, the number of most likely tokens beside each drawn one
     # (0: the drawn one's only): there is no top_logprobs.
-    known = {"model", "prompt", "stream", "stream_options", "max_tokens", *PARAMS}
+    known = {"model", "prompt", "stream", "stream_options", "max_tokens", "n", *PARAMS}
     check_fields(data, known - {"top_logprobs", *_OFF_VALUES}, _OFF_VALUES, IGNORED)
     check_model(data, model)
     stream = flag(data, "stream")
@@ -69,7 +70,8 @@ def parse_completion_request(
             raise bad_request(message, "logprobs")
         params.update(logprobs=True, top_logprobs=top)
     generate = {"type": "generate", "prompt": _prompt(data.get("prompt")), "params": params}
-    return ChatRequest(as_generate(generate, limits, session, token), stream, include_usage)
+    text = as_generate(generate, limits, session, token)
+    return ChatRequest(text, stream, include_usage, choices(data))
 
 
 def _prompt(raw: Any) -> str:
@@ -130,11 +132,11 @@ class TextCompletion(Completion):
     ) -> dict[str, Any]:
         reason = None if finish_reason is None else openai_finish_reason(finish_reason)
         legacy = None if logprobs is None else self.offsets.legacy(logprobs)
-        choice = {"index": 0, "text": delta.get("content", ""), "logprobs": legacy}
+        choice = {"index": self.index, "text": delta.get("content", ""), "logprobs": legacy}
         return self._envelope(OBJECT, choices=[{**choice, "finish_reason": reason}])
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        return self._envelope(OBJECT, choices=[], usage=openai_usage(usage))
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return self._envelope(OBJECT, choices=[], usage=usage)
 
     def whole(
         self,
@@ -145,5 +147,5 @@ class TextCompletion(Completion):
     ) -> dict[str, Any]:
         reason = openai_finish_reason(done["finish_reason"])
         legacy = None if logprobs is None else TextOffsets().legacy(logprobs)
-        choice = {"index": 0, "text": text, "logprobs": legacy, "finish_reason": reason}
+        choice = {"index": self.index, "text": text, "logprobs": legacy, "finish_reason": reason}
         return self._envelope(OBJECT, choices=[choice], usage=openai_usage(done["usage"]))

@@ -20,6 +20,10 @@ from wsinfer.errors import BadRequest, WsinferError
 from wsinfer.messages import MAX_DEPTH, Generate, Limits, check_value, parse_client_message
 
 OBJECT_CHUNK = "chat.completion.chunk"
+# The headers that name an answer's session(s), token(s) and turn(s).
+SESSION_HEADER = "X-Wsinfer-Session"
+TOKEN_HEADER = "X-Wsinfer-Token"
+TURN_HEADER = "X-Wsinfer-Turn"
 
 # Protocol error code -> HTTP status; the OpenAI SDKs pick their exception by status.
 STATUS_BY_CODE = {
@@ -38,7 +42,6 @@ STATUS_BY_CODE = {
 IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 # Accepted only at the value that means "feature off".
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
@@ -130,11 +133,16 @@ def bad_request(message: str, param: str | None = None, code: str = "bad_request
     return OpenAIError(400, message, code=code, param=param)
 
 
+# n: the most choices one request may ask for (each is a session and a batch row).
+MAX_CHOICES = 8
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     generate: Generate
     stream: bool
     include_usage: bool
+    n: int = 1
 
 
 def parse_chat_request(
@@ -151,7 +159,18 @@ def parse_chat_request(
         "messages": _messages(data.get("messages")),
         "params": params_of(data),
     }
-    return ChatRequest(as_generate(generate, limits, session, token), stream, include_usage)
+    chat = as_generate(generate, limits, session, token)
+    return ChatRequest(chat, stream, include_usage, choices(data))
+
+
+def choices(data: dict[str, Any]) -> int:
+    """``n``: how many choices, each a session of its own (1 to ``MAX_CHOICES``)."""
+    n = data.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be an integer in [1, {MAX_CHOICES}]", "n")
+    return n
 
 
 def check_model(data: dict[str, Any], model: str) -> None:
@@ -197,7 +216,7 @@ def json_object(body: bytes) -> dict[str, Any]:
 
 
 def _check_fields(data: dict[str, Any]) -> None:
-    known = {"model", "messages", "stream", "stream_options", "max_tokens"}
+    known = {"model", "messages", "stream", "stream_options", "max_tokens", "n"}
     known |= {"max_completion_tokens"} | set(PARAMS)
     check_fields(data, known, OFF_VALUES, IGNORED)
 
@@ -299,6 +318,10 @@ class Completion:
     turn: int
     model: str
     created: int
+    # With n > 1 each choice is a turn of its own session: its index, and the id of
+    # the whole completion (its first choice's).
+    index: int = 0
+    shared_id: str | None = None
 
     @property
     def id(self) -> str:
@@ -316,15 +339,16 @@ class Completion:
     ) -> dict[str, Any]:
         reason = None if finish_reason is None else openai_finish_reason(finish_reason)
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": delta,
             "logprobs": chat_logprobs(logprobs),
             "finish_reason": reason,
         }
         return self._envelope(OBJECT_CHUNK, choices=[choice])
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        return self._envelope(OBJECT_CHUNK, choices=[], usage=openai_usage(usage))
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk's ``usage`` (already in OpenAI's shape)."""
+        return self._envelope(OBJECT_CHUNK, choices=[], usage=usage)
 
     def whole(
         self,
@@ -340,7 +364,7 @@ class Completion:
             ]
             message["content"] = text or None
         choice = {
-            "index": 0,
+            "index": self.index,
             "message": message,
             "logprobs": chat_logprobs(logprobs),
             "finish_reason": openai_finish_reason(done["finish_reason"]),
@@ -350,8 +374,15 @@ class Completion:
         )
 
     def _envelope(self, kind: str, **fields: Any) -> dict[str, Any]:
-        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        head = {"id": self.shared_id or self.id, "object": kind, "created": self.created}
+        head["model"] = self.model
         return {**head, "system_fingerprint": None, **fields}
+
+
+def turn_headers(completions: list[Completion]) -> list[tuple[str, str]]:
+    """The session and turn of each choice (one, unless ``n`` > 1), in choice order."""
+    sessions = ", ".join(c.session for c in completions)
+    return [(SESSION_HEADER, sessions), (TURN_HEADER, ", ".join(str(c.turn) for c in completions))]
 
 
 def chat_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
@@ -417,11 +448,7 @@ def sse_for(completion: Completion, message: dict[str, Any], include_usage: bool
     """
     kind = message["type"]
     if kind == "delta":
-        delta: dict[str, Any] = {"content": message["text"]}
-        if message.get("tool_calls"):
-            delta = {"content": message["text"] or None, "tool_calls": message["tool_calls"]}
-        chunk = completion.chunk(delta, logprobs=message.get("logprobs"))
-        return sse(chunk, message["seq"])
+        return sse(delta_chunk(completion, message), message["seq"])
     if kind == "paused":
         return sse_comment(f"paused at seq {message['seq']}")
     if kind == "error":
@@ -433,8 +460,33 @@ def sse_for(completion: Completion, message: dict[str, Any], include_usage: bool
         return sse(turn_error(message).body()) + SSE_DONE
     out = sse(completion.chunk({}, message["finish_reason"]), message["seq"])
     if include_usage:
-        out += sse(completion.usage_chunk(message["usage"]))
+        out += sse(completion.usage_chunk(openai_usage(message["usage"])))
     return out + SSE_DONE
+
+
+def delta_chunk(completion: Completion, message: dict[str, Any]) -> dict[str, Any]:
+    """The chunk of a protocol ``delta``: its text, calls and log-probabilities."""
+    delta: dict[str, Any] = {"content": message["text"]}
+    if message.get("tool_calls"):
+        delta = {"content": message["text"] or None, "tool_calls": message["tool_calls"]}
+    return completion.chunk(delta, logprobs=message.get("logprobs"))
+
+
+def failure(message: dict[str, Any]) -> OpenAIError | None:
+    """The error a protocol message ends a stream with (a refusal, a failed turn)."""
+    if message["type"] == "error":
+        return OpenAIError.from_wsinfer(_as_wsinfer(message))
+    if message["type"] == "done" and message["finish_reason"] == "error":
+        return turn_error(message)
+    return None
+
+
+def combined_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The usage of n choices (OpenAI's shape): the prompt once, every completion."""
+    first = usages[0]
+    completion = sum(u["completion_tokens"] for u in usages)
+    total = first["prompt_tokens"] + completion
+    return {**first, "completion_tokens": completion, "total_tokens": total}
 
 
 def _as_wsinfer(message: dict[str, Any]) -> WsinferError:

@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from wsinfer.contract import ClientMessageType
 from wsinfer.http.connection import HttpRequest, HttpResponse
-from wsinfer.http.openai import SSE_KEEPALIVE, bad_request, sse_comment, turn_error
+from wsinfer.http.openai import (
+    SESSION_HEADER,
+    SSE_KEEPALIVE,
+    TURN_HEADER,
+    bad_request,
+    sse_comment,
+    turn_error,
+)
 from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
 from wsinfer.http.responses import (
     ResponseEvents,
@@ -34,9 +41,6 @@ from wsinfer.sessions.store import SessionInfo, SessionNotFound
 
 if TYPE_CHECKING:
     from wsinfer.http.app import Handler, HttpApp
-
-SESSION_HEADER = "X-Wsinfer-Session"
-TURN_HEADER = "X-Wsinfer-Turn"
 
 
 class ResponsesRoutes:
@@ -77,7 +81,7 @@ class ResponsesRoutes:
         status = live_status(accepted["status"])
         if ask.stream:
             stream = self._events(peer, ResponseEvents(view, -1), status)
-            return self.app.sse_answer(peer, stream, _headers(rid))
+            return self.app.sse_answer(stream, _headers(rid), lambda: self.app.close_peer(peer))
         if ask.background:  # answered at once; the turn runs on, unwatched
             self.app.close_peer(peer)
             return HttpResponse.json(200, view.body(status, None), _headers(rid))
@@ -138,7 +142,8 @@ class ResponsesRoutes:
             self.app.close_peer(peer)
             raise
         status = live_status(info.status) if rid.turn == info.turn else "in_progress"
-        return self.app.sse_answer(peer, self._events(peer, events, status), _headers(rid))
+        events_out = self._events(peer, events, status)
+        return self.app.sse_answer(events_out, _headers(rid), lambda: self.app.close_peer(peer))
 
     async def _events(
         self, peer: HttpPeer, events: ResponseEvents, status: str
