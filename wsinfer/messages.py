@@ -222,6 +222,8 @@ def _parse_generate(data: dict[str, Any], limits: Limits) -> Generate:
         params = GenerationParams.parse(data.get("params"))
     except ParamsError as exc:
         raise BadRequest(str(exc)) from exc
+    if prompt is not None and params.tools is not None:
+        raise BadRequest("tools need messages: a raw-text prompt has no chat template to tell them")
     session = _string(data, "session", MAX_ID_CHARS) if "session" in data else None
     token = _string(data, "token", MAX_ID_CHARS) if "token" in data else None
     key = _idempotency_key(data)

@@ -97,6 +97,24 @@ def test_ignore_eos_is_a_boolean_param_that_round_trips() -> None:
             "bad_request",
             None,
         ),
+        (  # tools need a chat: a raw prompt has no template to tell them
+            '{"type": "generate", "prompt": "a", "params": {"tools": '
+            '[{"type": "function", "function": {"name": "f"}}]}}',
+            "bad_request",
+            None,
+        ),
+        (  # a tool result is a tool message's; a call is an assistant's
+            '{"type": "generate", "messages": [{"role": "user", "content": "a", '
+            '"tool_call_id": "c"}]}',
+            "bad_request",
+            None,
+        ),
+        (
+            '{"type": "generate", "messages": [{"role": "assistant", "content": null, '
+            '"tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[]"}}]}]}',
+            "bad_request",
+            None,
+        ),
         ('{"type": "resume", "session": "s", "token": "t", "after": -1}', "bad_request", None),
         ('{"type": "resume", "session": "s", "token": "t", "turn": 0}', "bad_request", None),
         ('{"type": "generate", "prompt": "' + "x" * 101 + '"}', "too_large", None),
