@@ -322,3 +322,63 @@ async def test_a_choice_refused_after_others_started_closes_theirs(
             assert info.status_code == 404
     finally:
         await frontend.stop()
+
+
+async def test_function_calls_through_the_responses_api(serve: tuple[int, Path]) -> None:  # noqa: F811
+    """The Responses API's function tools, as the Agents SDK uses them: a required
+    call is a ``function_call`` output item; its ``function_call_output`` continues
+    the conversation by ``previous_response_id``; streamed, the call's events follow
+    the message's, and a stream resumed inside them (``starting_after``) gives the
+    rest, numbered on."""
+    import jsonschema
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_ARGS, "strict": True}
+    asked: Any = {
+        "model": "wsinfer", "input": "What is the weather in Paris?", "tools": [tool],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "parallel_tool_calls": False, "temperature": 1.0, "max_output_tokens": 80,
+    }  # fmt: skip
+    first = await client.responses.create(**asked)
+    assert first.status == "completed" and first.tools[0].name == "get_weather"  # type: ignore[union-attr]
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER_ARGS)
+    answer = await client.responses.create(
+        model="wsinfer", previous_response_id=first.id, tools=[tool],  # type: ignore[list-item]
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}],
+        max_output_tokens=8, temperature=0,
+    )  # fmt: skip
+    assert answer.status in ("completed", "incomplete") and answer.output[0].type == "message"
+    assert not [item for item in answer.output if item.type == "function_call"]
+    # The same conversation sent whole, as a client without previous_response_id does.
+    whole = await client.responses.create(
+        model="wsinfer", tools=[tool], max_output_tokens=8, temperature=0,  # type: ignore[list-item]
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            calls[0].model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"},
+        ],
+    )  # fmt: skip
+    assert whole.output[0].type == "message"
+
+    stream = await client.responses.create(**asked, stream=True)
+    events = [e async for e in stream]
+    kinds = [e.type for e in events]
+    assert kinds[-5:] == [
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    numbers = [e.sequence_number for e in events]
+    assert numbers == sorted(set(numbers))
+    final = events[-1].response  # type: ignore[union-attr]
+    streamed = [item for item in final.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(streamed[0].arguments), WEATHER_ARGS)
+    middle = numbers[-4]  # after the call's item was added
+    resumed = await client.responses.retrieve(final.id, stream=True, starting_after=middle)
+    rest = [e async for e in resumed]
+    assert [e.sequence_number for e in rest] == numbers[-3:]
+    assert [e.type for e in rest] == kinds[-3:]
+    with pytest.raises(openai.BadRequestError, match="only function tools"):
+        await client.responses.create(**{**asked, "tools": [{"type": "web_search"}]})

@@ -20,6 +20,7 @@ from tests.stack import Client, Stack, joined, start_serve, stop_serve
 from wsinfer.http.openai import OpenAIError
 from wsinfer.http.responses import (
     HEAD,
+    Output,
     ResponseEvents,
     ResponseId,
     ResponseView,
@@ -455,6 +456,40 @@ def test_a_request_becomes_a_generate() -> None:
     assert request().generate.messages == [{"role": "user", "content": "hi"}]
 
 
+def test_function_calls_and_their_outputs_in_the_input_are_the_chats() -> None:
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    asked = request(
+        tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        tool_choice={"type": "function", "name": "f"},
+        parallel_tool_calls=False,
+        input=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Let me see."},
+            call,
+            {**call, "call_id": "c2"},
+            {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        ],
+    )
+    params = asked.generate.params
+    assert (params.tool_choice, params.parallel_tool_calls) == ("function:f", False)
+    written = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert asked.generate.messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": f"Let me see.\n{written}\n{written}"},
+        {"role": "tool", "content": "one"},
+    ]
+    for bad, words in (
+        ({**call, "call_id": 3}, "call_id must be a string"),
+        ({**call, "arguments": "[]"}, "arguments must be a JSON object"),
+        ({"type": "function_call_output", "call_id": "c1", "output": 5}, "output"),
+        ({**call, "extra": 1}, "unknown fields"),
+    ):
+        with pytest.raises(OpenAIError, match=words):
+            request(input=[{"role": "user", "content": "hi"}, bad])
+    with pytest.raises(OpenAIError, match="only function tools"):
+        request(tools=[{"type": "file_search"}])
+
+
 def test_sequence_numbers_follow_the_turn_seq() -> None:
     view = ResponseView(ResponseId("s", 1, "t"), "m", 5, GenerationParams())
     usage = {"prompt_tokens": 3, "completion_tokens": 4, "cached_tokens": 0}
@@ -468,7 +503,7 @@ def test_sequence_numbers_follow_the_turn_seq() -> None:
             if seq > events.seq_after:  # what the turn's resume from seq_after replays
                 out += events.delta(seq, text)
         before = "".join(text for seq, text in log if seq <= events.seq_after)
-        return parse_sse((out + events.closing(done, before)).decode())
+        return parse_sse((out + events.closing(done, Output(before))).decode())
 
     everything = replay(-1)
     assert numbers(everything) == [0, 1, 2, 3, HEAD + 2, HEAD + 4, 8, 9, 10, 11]
@@ -479,6 +514,54 @@ def test_sequence_numbers_follow_the_turn_seq() -> None:
         assert numbers(tail) == [n for n in numbers(everything) if n > after]
         if tail and after >= HEAD + 2:
             assert tail[-1]["response"]["output"][0]["content"][0]["text"] == "ab"
+
+
+def test_function_calls_come_after_the_message_and_resume_anywhere() -> None:
+    """A delta that completes a call has no event; the call's four events follow the
+    message's three, before the response's last, and a reader resumed after any
+    number gets exactly the events after it, the calls it had before included."""
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    params = GenerationParams.parse({"tools": [weather]})
+    view = ResponseView(ResponseId("s", 1, "t"), "m", 5, params)
+    usage = {"prompt_tokens": 3, "completion_tokens": 5, "cached_tokens": 0}
+    done = {"seq": 5, "finish_reason": "tool_calls", "usage": usage}
+    call = {"index": 0, "id": "call_s_1_0", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    log: list[tuple[int, str, list[dict[str, Any]]]] = [(2, "Let", []), (5, "", [call])]
+
+    def replay(after: int) -> list[dict[str, Any]]:
+        events = ResponseEvents(view, after)
+        out = events.opening("queued")
+        for seq, text, calls in log:
+            if seq > events.seq_after:
+                out += events.delta(seq, text, None, calls)
+        had = [entry for entry in log if entry[0] <= events.seq_after]
+        before = Output("".join(e[1] for e in had), [], [c for e in had for c in e[2]])
+        return parse_sse((out + events.closing(done, before)).decode())
+
+    everything = replay(-1)
+    assert numbers(everything) == [0, 1, 2, 3, HEAD + 2, *range(HEAD + 6, HEAD + 14)]
+    assert [e["type"] for e in everything[-5:]] == [
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    item = everything[-2]["item"]
+    assert (item["type"], item["call_id"], item["status"]) == (
+        "function_call",
+        "call_s_1_0",
+        "completed",
+    )
+    assert everything[-2]["output_index"] == 1 and item["arguments"] == '{"city": "Paris"}'
+    for after in range(-1, HEAD + 13):  # the last number: nothing after it
+        tail = replay(after)
+        assert numbers(tail) == [n for n in numbers(everything) if n > after]
+        output = tail[-1]["response"]["output"]
+        assert [o["type"] for o in output] == ["message", "function_call"]
+        assert output[1]["call_id"] == "call_s_1_0" and output[0]["content"][0]["text"] == "Let"
+    body = view.body("completed", "Let", done, None, [call])
+    assert body["tools"] == [{"type": "function", "name": "get_weather", **body["tools"][0]}]
+    assert body["tool_choice"] == "auto" and body["parallel_tool_calls"] is True
 
 
 def test_include_logprobs_and_top_logprobs_ask_for_log_probabilities() -> None:
@@ -506,7 +589,9 @@ def test_a_resumed_readers_closing_events_carry_every_entry() -> None:
     usage = {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0}
     events = ResponseEvents(view, HEAD + 2)  # had the opening and the first delta
     out = events.delta(4, "b", [lp("b")])
-    out += events.closing({"seq": 4, "finish_reason": "stop", "usage": usage}, "a", [lp("a")])
+    out += events.closing(
+        {"seq": 4, "finish_reason": "stop", "usage": usage}, Output("a", [lp("a")])
+    )
     parsed = parse_sse(out.decode())
     assert parsed[0]["logprobs"] == [lp("b")]
     assert parsed[1]["type"] == "response.output_text.done"

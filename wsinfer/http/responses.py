@@ -39,6 +39,7 @@ from wsinfer.http.openai import (
 from wsinfer.messages import Generate, Limits
 from wsinfer.response_format import responses_format
 from wsinfer.sessions.schema import GenerationParams
+from wsinfer.tools import tool_list
 
 PREFIX = "resp_"
 HEAD = 3  # the opening events are numbered 0..HEAD; a delta at seq s is HEAD + s
@@ -47,16 +48,13 @@ MAX_ID_PART = 256  # a session id or token longer than this is none we issued
 _KNOWN = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
     "stream", "background", "previous_response_id", "metadata", "include", "top_logprobs",
-    "text",
+    "text", "tools", "tool_choice", "parallel_tool_calls",
 }  # fmt: skip
 # What ``include`` may ask for: the output text's log-probabilities.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 _IGNORED = IGNORED | {"truncation", "prompt_cache_key", "safety_identifier", "stream_options"}
-_IGNORED |= {"parallel_tool_calls"}  # no tools here (yet): nothing to call in parallel
 # Accepted only at the value that means "feature off".
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "reasoning": (None,),
     "max_tool_calls": (None,),
     "conversation": (None,),
@@ -154,7 +152,39 @@ def _params(data: dict[str, Any]) -> dict[str, Any]:
     fmt = _text_format(data.get("text"))
     if fmt is not None:
         params["response_format"] = fmt
+    tools = data.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_request("tools must be a list", "tools")
+        params["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(tools)]
+    choice = data.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        choice = {"type": "function", "function": {"name": choice["name"]}}  # the chat shape
+    if choice is not None:
+        params["tool_choice"] = choice
+    if data.get("parallel_tool_calls") is not None:
+        params["parallel_tool_calls"] = data["parallel_tool_calls"]
     return params
+
+
+def _chat_tool(raw: Any, index: int) -> dict[str, Any]:
+    """A Responses function tool (flat: ``{type, name, parameters, ...}``) in the chat
+    shape, checked with the WebSocket's params (wsinfer/tools.py). Only functions:
+    wsinfer runs no tool of its own (web or file search, a computer)."""
+    param = f"tools[{index}]"
+    if not isinstance(raw, dict) or raw.get("type") != "function":
+        raise bad_request(f"{param}: only function tools are supported", param, "unsupported")
+    function = {k: v for k, v in raw.items() if k != "type" and v is not None}
+    return {"type": "function", "function": function}
+
+
+def responses_tools(params: GenerationParams) -> tuple[list[dict[str, Any]], Any]:
+    """A turn's tools and tool choice as a response object shows them (flat)."""
+    tools = [{"type": "function", **t["function"]} for t in tool_list(params.tools)]
+    choice: Any = params.tool_choice or "auto"
+    if choice.startswith("function:"):
+        choice = {"type": "function", "name": choice[len("function:") :]}
+    return tools, choice
 
 
 def _text_format(raw: Any) -> dict[str, Any] | None:
@@ -209,15 +239,57 @@ def _metadata(raw: Any) -> dict[str, str]:
     return dict(raw)
 
 
-def _input(raw: Any) -> list[dict[str, str]]:
+def _input(raw: Any) -> list[dict[str, Any]]:
+    """The input's messages, as the WebSocket's: a ``function_call`` item is a call
+    of the assistant message before it (or of one of its own), a
+    ``function_call_output`` a ``tool`` message."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
         raise bad_request("input must be a string or a non-empty array of messages", "input")
-    return [_item(item, i) for i, item in enumerate(raw)]
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(raw):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "function_call":
+            call = _call(item, index)
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append(_call_output(item, index))
+        else:
+            messages.append(_item(item, index))
+    return messages
 
 
-def _item(item: Any, index: int) -> dict[str, str]:
+def _call(item: dict[str, Any], index: int) -> dict[str, Any]:
+    param = f"input[{index}]"
+    _only_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, param)
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str):
+        raise bad_request(f"{param}.call_id must be a string", f"{param}.call_id")
+    function = {"name": item.get("name"), "arguments": item.get("arguments")}
+    return {"id": call_id, "type": "function", "function": function}  # checked as the chat's
+
+
+def _call_output(item: dict[str, Any], index: int) -> dict[str, Any]:
+    param = f"input[{index}]"
+    _only_keys(item, {"type", "call_id", "output", "id", "status"}, param)
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str):
+        raise bad_request(f"{param}.call_id must be a string", f"{param}.call_id")
+    output = _text(item.get("output"), f"{param}.output")
+    return {"role": "tool", "content": output, "tool_call_id": call_id}
+
+
+def _only_keys(item: dict[str, Any], allowed: set[str], param: str) -> None:
+    unknown = sorted(str(k) for k in item if k not in allowed)
+    if unknown:
+        raise bad_request(f"unknown fields in {param}: {', '.join(unknown)}", param)
+
+
+def _item(item: Any, index: int) -> dict[str, Any]:
     param = f"input[{index}]"
     allowed = {"type", "role", "content", "id", "status"}
     if (
@@ -225,7 +297,8 @@ def _item(item: Any, index: int) -> dict[str, str]:
         or item.get("type", "message") != "message"
         or set(item) - allowed
     ):
-        raise bad_request(f"{param} must be a message {{role, content}}", param, "unsupported")
+        message = f"{param} must be a message {{role, content}}, a function_call or its output"
+        raise bad_request(message, param, "unsupported")
     raw_role = item.get("role")
     role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
     if role is None:
@@ -296,14 +369,19 @@ class ResponseView:
         text: str | None,
         done: dict[str, Any] | None = None,
         logprobs: list[dict[str, Any]] | None = None,
+        calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """The response object: ``text`` None before the output message exists;
-        ``logprobs`` its tokens' entries (for a response that asked)."""
+        ``logprobs`` its tokens' entries (for a response that asked); ``calls`` the
+        function calls the model made, output items after the message."""
         incomplete = error = usage = None
         if done is not None:
             status, incomplete, error = outcome(done)
             usage = response_usage(done["usage"])
         previous = self.rid.previous
+        output = [] if text is None else [self.item(status, text, logprobs)]
+        output += [self.call_item(call) for call in calls or ()]
+        tools, tool_choice = responses_tools(self.params)
         return {
             "id": str(self.rid),
             "object": "response",
@@ -316,13 +394,13 @@ class ResponseView:
             "max_output_tokens": self.params.max_new_tokens,
             "metadata": self.metadata,
             "model": self.model,
-            "output": [] if text is None else [self.item(status, text, logprobs)],
-            "parallel_tool_calls": False,
+            "output": output,
+            "parallel_tool_calls": self.params.parallel_tool_calls,
             "previous_response_id": None if previous is None else str(previous),
             "temperature": self.params.temperature,
             "text": {"format": responses_format(self.params.response_format)},
-            "tool_choice": "none",
-            "tools": [],
+            "tool_choice": tool_choice,
+            "tools": tools,
             "top_logprobs": self.params.top_logprobs,
             "top_p": self.params.top_p,
             "truncation": "disabled",
@@ -345,6 +423,20 @@ class ResponseView:
             "content": content,
         }
 
+    def call_item(self, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+        """A call as a ``function_call`` output item (``call_id``: the call's id, which
+        its ``function_call_output`` names)."""
+        function = call["function"]
+        arguments = function["arguments"] if status == "completed" else ""
+        return {
+            "id": f"fc_{self.rid.session}_{self.rid.turn}_{call['index']}",
+            "type": "function_call",
+            "status": status,
+            "call_id": call["id"],
+            "name": function["name"],
+            "arguments": arguments,
+        }
+
 
 def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
@@ -356,6 +448,15 @@ def event(kind: str, number: int, **fields: Any) -> bytes:
     return f"id: {number}\nevent: {kind}\ndata: {data}\n\n".encode()
 
 
+@dataclass
+class Output:
+    """What a turn's deltas (or the first ones) hold: text, logprobs entries, calls."""
+
+    text: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
 class ResponseEvents:
     """The events of one response for a reader that has those up to ``after``
     (-1: none): numbered from the turn's ``seq`` (see the module's docstring)."""
@@ -365,6 +466,7 @@ class ResponseEvents:
         self.after = after
         self.text: list[str] = []  # the text streamed to this reader
         self.logprobs: list[dict[str, Any]] = []  # and its tokens' entries
+        self.calls: list[dict[str, Any]] = []  # and the calls the model made
         self.last = after  # the last sequence number this reader has
 
     @property
@@ -383,24 +485,34 @@ class ResponseEvents:
         ]
         return self._numbered(0, events)
 
-    def delta(self, seq: int, text: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
+    def delta(
+        self,
+        seq: int,
+        text: str,
+        logprobs: list[dict[str, Any]] | None = None,
+        calls: list[dict[str, Any]] | None = None,
+    ) -> bytes:
+        """A text delta's event. Calls come as output items after the message, with the
+        closing events: a delta that only completes calls has no event of its own."""
         number = HEAD + seq
         if number <= self.after:  # the resume's replay starts after it: never the case
             return b""
         self.text.append(text)
         self.logprobs += logprobs or ()
+        self.calls += calls or ()
+        if calls and not text:
+            return b""
         self.last = number
         item = {"item_id": self.view.rid.item_id, "output_index": 0, "content_index": 0}
         fields = {**item, "delta": text, "logprobs": logprobs or []}
         return event("response.output_text.delta", number, **fields)
 
-    def closing(
-        self, done: dict[str, Any], before: str, before_logprobs: list[dict[str, Any]] | None = None
-    ) -> bytes:
-        """The four events after the ``done``; ``before`` (``before_logprobs``): the
-        text (entries) this reader had before its stream started (the resume's ``after``)."""
-        view, text = self.view, before + "".join(self.text)
-        lps = (before_logprobs or []) + self.logprobs
+    def closing(self, done: dict[str, Any], before: Output) -> bytes:
+        """The events after the ``done``: the message's three, four per function call
+        (added, its arguments' delta and done, done), the response's last. ``before``:
+        what this reader had before its stream started (the resume's ``after``)."""
+        view, text = self.view, before.text + "".join(self.text)
+        lps, calls = before.logprobs + self.logprobs, before.calls + self.calls
         status = outcome(done)[0]
         item = {"item_id": view.rid.item_id, "output_index": 0, "content_index": 0}
         events: list[tuple[str, dict[str, Any]]] = [
@@ -410,8 +522,21 @@ class ResponseEvents:
                 "response.output_item.done",
                 {"output_index": 0, "item": view.item(status, text, lps)},
             ),
-            (f"response.{status}", {"response": view.body(status, text, done, lps)}),
         ]
+        for index, call in enumerate(calls, 1):
+            whole = view.call_item(call)
+            at = {"item_id": whole["id"], "output_index": index}
+            events += [
+                (
+                    "response.output_item.added",
+                    {"output_index": index, "item": view.call_item(call, "in_progress")},
+                ),
+                ("response.function_call_arguments.delta", {**at, "delta": whole["arguments"]}),
+                ("response.function_call_arguments.done", {**at, "arguments": whole["arguments"]}),
+                ("response.output_item.done", {"output_index": index, "item": whole}),
+            ]
+        final = view.body(status, text, done, lps, calls)
+        events.append((f"response.{status}", {"response": final}))
         return self._numbered(HEAD + done["seq"] + 1, events)
 
     def _numbered(self, first: int, events: list[tuple[str, dict[str, Any]]]) -> bytes:

@@ -26,6 +26,7 @@ from wsinfer.http.openai import (
 )
 from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
 from wsinfer.http.responses import (
+    Output,
     ResponseEvents,
     ResponseId,
     ResponseView,
@@ -165,12 +166,13 @@ class ResponsesRoutes:
     async def _event_for(self, events: ResponseEvents, message: dict[str, Any]) -> bytes:
         kind = message["type"]
         if kind == "delta":
-            return events.delta(message["seq"], message["text"], message.get("logprobs"))
+            calls = message.get("tool_calls")
+            return events.delta(message["seq"], message["text"], message.get("logprobs"), calls)
         if kind == "paused":  # a comment: the stream stays open and goes on when resumed
             return sse_comment(f"paused at seq {message['seq']}")
         if kind == "done":
-            before, before_logprobs = await self._text(events.view.rid, upto=events.seq_after)
-            return events.closing(message, before, before_logprobs)
+            before = await self._output(events.view.rid, upto=events.seq_after)
+            return events.closing(message, before)
         if kind == "error":  # the follow failed (a refusal): OpenAI's error event ends it
             fields = {"code": message["code"], "message": message["message"], "param": None}
             return event("error", events.last + 1, **fields)
@@ -182,15 +184,17 @@ class ResponsesRoutes:
         """Wait for the turn's ``done`` (through pauses: a paused turn may be resumed)."""
         text: list[str] = []
         logprobs: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
         while True:
             for message in await peer.messages(KEEPALIVE_S):
                 if message["type"] == "delta":
                     text.append(message["text"])
                     logprobs += message.get("logprobs") or ()
+                    calls += message.get("tool_calls") or ()
                 elif message["type"] == "done" and message["finish_reason"] == "error":
                     raise turn_error(message)
                 elif message["type"] == "done":
-                    body = view.body("completed", "".join(text), message, logprobs)
+                    body = view.body("completed", "".join(text), message, logprobs, calls)
                     return HttpResponse.json(200, body, headers)
 
     # --- reads ------------------------------------------------------------------------
@@ -232,27 +236,30 @@ class ResponsesRoutes:
         """The response object as of now, from the turn's events in Redis."""
         view = await self._view(rid, info)
         events, _ = await self.frontend.store.read_turn(rid.session, rid.turn)
-        text, logprobs = _output(events, upto=None)
+        out = _output_of(events, upto=None)
         done = next((e for e in reversed(events) if isinstance(e, DoneEvent)), None)
         if done is not None:
             message = done_message(rid.session, rid.turn, done)
-            return view.body("completed", text, message, logprobs)
+            return view.body("completed", out.text, message, out.logprobs, out.calls)
         status = live_status(info.status) if rid.turn == info.turn else "in_progress"
-        return view.body(status, text if events else None, logprobs=logprobs)
+        return view.body(status, out.text if events else None, None, out.logprobs, out.calls)
 
-    async def _text(self, rid: ResponseId, upto: int) -> tuple[str, list[dict[str, Any]]]:
-        """The text (and logprobs entries) of the turn's deltas up to seq ``upto``: what
-        a resumed reader had."""
+    async def _output(self, rid: ResponseId, upto: int) -> Output:
+        """The output of the turn's deltas up to seq ``upto``: what a resumed reader had."""
         if upto <= 0:
-            return "", []
+            return Output()
         events, _ = await self.frontend.store.read_turn(rid.session, rid.turn)
-        return _output(events, upto)
+        return _output_of(events, upto)
 
 
-def _output(events: list[Any], upto: int | None) -> tuple[str, list[dict[str, Any]]]:
-    """The text and logprobs entries of ``events``' deltas (up to seq ``upto``)."""
+def _output_of(events: list[Any], upto: int | None) -> Output:
+    """The text, logprobs entries and calls of ``events``' deltas (up to seq ``upto``)."""
     deltas = [e for e in events if isinstance(e, DeltaEvent) and (upto is None or e.seq <= upto)]
-    return "".join(e.text for e in deltas), [x for e in deltas for x in e.logprobs or ()]
+    return Output(
+        "".join(e.text for e in deltas),
+        [x for e in deltas for x in e.logprobs or ()],
+        [call for e in deltas for call in e.tool_calls or ()],
+    )
 
 
 def _headers(rid: ResponseId) -> list[tuple[str, str]]:
