@@ -35,7 +35,10 @@ def knows_tools(tokenizer: Any) -> bool:
     if known is None:
         probe = [{"role": "user", "content": "x"}]
         plain = tokenizer.apply_chat_template(probe, tokenize=False)
-        told = tokenizer.apply_chat_template(probe, tools=_PROBE_TOOL, tokenize=False)
+        try:
+            told = tokenizer.apply_chat_template(probe, tools=_PROBE_TOOL, tokenize=False)
+        except Exception:  # a template that refuses tools (raise_exception) does not know them
+            told = plain
         known = _knows_tools[tokenizer] = plain != told
     return known
 

@@ -89,6 +89,21 @@ def test_a_template_that_knows_tools_renders_them_itself(tiny: LoadedModel) -> N
     assert "[tool] sunny" in text and "# Tools" not in text
 
 
+def test_a_template_that_refuses_tools_is_told_of_them_as_one_that_ignores_them(
+    tiny: LoadedModel,
+) -> None:
+    tokenizer = copy.deepcopy(tiny.tokenizer)
+    tokenizer.chat_template = (
+        "{% if tools %}{{ raise_exception('no tools here') }}{% endif %}"
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    )
+    assert not knows_tools(tokenizer)
+    text = tokenizer.decode(
+        render_chat(tokenizer, [{"role": "user", "content": "hi"}], params().tools)
+    )
+    assert text.startswith("[system] # Tools")
+
+
 # --- a required call, enforced ----------------------------------------------------------
 
 
