@@ -328,7 +328,8 @@ class ToolCallParser:
     once its closing tag arrives; one whose body is not ``{"name": one of the tools,
     "arguments": {...}}`` stays text, as the model wrote it. At the end of the turn
     (``finish``) what is held is content, but a call whose closing tag never came
-    (the model ended the turn right after its JSON) counts if its body is a call.
+    whole (the model ended the turn after its JSON, or was cut inside the tag)
+    counts if its body is a call.
     """
 
     def __init__(self, names: Iterable[str], call_id_prefix: str) -> None:
@@ -344,7 +345,7 @@ class ToolCallParser:
         while True:
             start = self.text.find(OPEN, self.done)
             if start < 0:
-                end = len(self.text) - _partial_open(self.text, self.done)
+                end = len(self.text) - _partial(OPEN, self.text, self.done)
                 self._content(out, end)
                 return out
             self._content(out, start)
@@ -358,9 +359,10 @@ class ToolCallParser:
         """The turn ended: everything held is handed out."""
         out = self.feed("")
         start = self.text.find(OPEN, self.done)
-        if start >= 0:
+        if start >= 0:  # a call cut short, maybe inside its closing tag
             self._content(out, start)
-            self._call_or_text(out, start + len(OPEN), len(self.text), len(self.text))
+            body_end = len(self.text) - _partial(CLOSE, self.text, start + len(OPEN))
+            self._call_or_text(out, start + len(OPEN), body_end, len(self.text))
         self._content(out, len(self.text))
         return out
 
@@ -401,9 +403,9 @@ class ToolCallParser:
         }
 
 
-def _partial_open(text: str, start: int) -> int:
-    """How many characters at the end of ``text`` (from ``start``) begin ``<tool_call>``."""
-    for size in range(min(len(OPEN) - 1, len(text) - start), 0, -1):
-        if OPEN.startswith(text[len(text) - size :]):
+def _partial(tag: str, text: str, start: int) -> int:
+    """How many characters at the end of ``text`` (from ``start``) begin ``tag``."""
+    for size in range(min(len(tag) - 1, len(text) - start), 0, -1):
+        if tag.startswith(text[len(text) - size :]):
             return size
     return 0

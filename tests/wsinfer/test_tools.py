@@ -165,7 +165,7 @@ def test_a_template_without_tools_gets_them_in_the_system_message() -> None:
 
 NAMES = ["get_weather", "get_time"]
 FRAGMENTS = [
-    "Hello", " ", "\n", "<", "<tool", "_call", ">", "</", "tool_call>", OPEN, CLOSE,
+    "Hello", " ", "\n", "<", "<tool", "_call", ">", "</", "tool_call>", OPEN, CLOSE, "</tool_ca",
     OPEN + "\n", "\n" + CLOSE, '{"name": "get_weather", "arguments": {"city": "Paris"}}',
     '{"name": "get_time", "arguments": {}}', '{"name": "get_date", "arguments": {}}',
     '{"name": "get_time", "arguments": "{}"}', '{"name": "get_time"}', "{", "}", "not json",
@@ -182,7 +182,13 @@ def reference(text: str, names: list[str]) -> tuple[str, list[tuple[str, Any]]]:
     )
     for match in pattern.finditer(text):
         content.append(text[pos : match.start()])
-        body = match.group(1) if match.group(1) is not None else match.group(2)
+        body = match.group(1)
+        if body is None:  # cut short: maybe inside the closing tag
+            body = re.sub(
+                "(" + "|".join(re.escape(CLOSE[:i]) for i in range(len(CLOSE) - 1, 0, -1)) + ")$",
+                "",
+                match.group(2),
+            )
         call = _reference_call(body, names)
         if call is None:
             content.append(match.group(0))
@@ -260,3 +266,6 @@ def test_a_call_the_turn_ended_inside_counts_if_its_body_is_whole() -> None:
     cut = ToolCallParser(NAMES, "c")
     cut.feed(OPEN + '\n{"name": "get_time", "argu')
     assert cut.finish().content == OPEN + '\n{"name": "get_time", "argu'
+    inside = ToolCallParser(NAMES, "c")  # max_new_tokens ran out inside the closing tag
+    inside.feed(OPEN + '\n{"name": "get_time", "arguments": {}}\n</tool_ca')
+    assert len(inside.finish().calls) == 1
