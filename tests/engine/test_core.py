@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any
 
 import pytest
@@ -417,3 +418,52 @@ def test_a_failing_forward_ends_its_requests_and_the_engine_recovers(
     monkeypatch.setattr(core.model, "forward", original)
     core.add(request("b", [5, 6, 7]))
     assert tokens_of(run_all(core)["b"]) == reference_greedy(tiny, [5, 6, 7], 12)
+
+
+def test_every_output_with_text_is_at_a_seq_of_its_own_whatever_the_schedule(
+    tiny: LoadedModel,
+) -> None:
+    """What followers rely on: a delta's seq grows with every delta (a repeated seq is
+    dropped as already seen). Over random schedules of turns with stop strings taken
+    from their own text (so text is often held back), stopped, paused and resumed
+    from their token log at random steps, every output that carries text has new
+    tokens or a seq past the turn's last, and the text of a turn's outputs, resumes
+    included, is its uninterrupted text up to where it ended."""
+    rng = random.Random(28)
+    ids = prompt(tiny.tokenizer, "Once upon a time")
+    free = EngineCore(tiny)
+    free.add(request("free", ids, dataclasses.replace(GREEDY, max_new_tokens=24)))
+    full_outs = run_all(free)["free"]
+    full = text_of(full_outs)
+    for _ in range(100):
+        core = EngineCore(tiny, EngineConfig(max_batch_size=3))
+        turns: dict[str, dict[str, Any]] = {}
+        for n in range(3):
+            start = rng.randrange(len(full))
+            stop = full[start : start + rng.randint(1, 4)] + rng.choice(["", "\x00"])
+            params = dataclasses.replace(GREEDY, max_new_tokens=24, stop=(stop,))
+            turns[f"t{n}"] = {"params": params, "tokens": [], "text": "", "seq": 0, "over": False}
+            core.add(request(f"t{n}", ids, params))
+        for _step in range(200):
+            if all(t["over"] for t in turns.values()):
+                break
+            for rid, turn in turns.items():
+                if not turn["over"] and rng.random() < 0.08:
+                    core.abort(rid, pause=rng.random() < 0.6)
+            for out in core.step():
+                turn = turns[out.request_id]
+                if out.text:
+                    assert out.new_token_ids or out.num_generated > turn["seq"], out
+                turn["seq"] = max(turn["seq"], out.num_generated)
+                turn["tokens"] += out.new_token_ids
+                turn["text"] += out.text
+                if out.paused:  # resumed at once, from its token log, as the engine does
+                    again = request(
+                        out.request_id, ids, turn["params"], generated_ids=turn["tokens"]
+                    )
+                    core.add(again)
+                elif out.finished:
+                    turn["over"] = True
+                    stop = turn["params"].stop[0]
+                    whole = full[: full.find(stop)] if stop in full else full
+                    assert whole.startswith(turn["text"]), (stop, turn["text"])
