@@ -382,3 +382,44 @@ async def test_function_calls_through_the_responses_api(serve: tuple[int, Path])
     assert [e.type for e in rest] == kinds[-3:]
     with pytest.raises(openai.BadRequestError, match="only function tools"):
         await client.responses.create(**{**asked, "tools": [{"type": "web_search"}]})
+
+
+async def test_a_vanished_reader_of_n_choices_leaves_nothing_followed(
+    serve: tuple[int, Path],  # noqa: F811
+) -> None:
+    """A client that drops a stream of n choices mid-way: every choice's follower
+    (a peer and a task each) goes with it; the turns run on, unwatched."""
+    import asyncio
+
+    import httpx
+
+    from tests.wsinfer.test_http import in_process_frontend, read_until
+
+    def followers() -> list[asyncio.Task[Any]]:
+        tasks = asyncio.all_tasks()
+        return [t for t in tasks if t.get_coro().__qualname__.endswith(".follow")]  # type: ignore[union-attr]
+
+    frontend = await in_process_frontend(serve)
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{frontend.port}", headers=AUTH, timeout=30
+        ) as http:
+            body = {"model": "wsinfer", "messages": PROMPT, "n": 3, "max_tokens": 4000,
+                    "temperature": 0, "stream": True}  # fmt: skip
+            response = await http.send(
+                http.build_request("POST", "/v1/chat/completions", json=body), stream=True
+            )
+            await read_until(response, 700)
+            assert len(frontend.http.peers) == 3 and len(followers()) == 3
+            await response.aclose()
+            for _ in range(100):
+                if not frontend.http.peers and not frontend.fanin.owners and not followers():
+                    break
+                await asyncio.sleep(0.05)
+            assert not frontend.http.peers and not frontend.fanin.owners and not followers()
+            sessions = response.headers["x-wsinfer-session"].split(", ")
+            tokens = response.headers["x-wsinfer-token"].split(", ")
+            for session, token in zip(sessions, tokens, strict=True):
+                await http.post(f"/v1/sessions/{session}/stop", headers={"X-Wsinfer-Token": token})
+    finally:
+        await frontend.stop()

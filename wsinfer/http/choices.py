@@ -71,12 +71,16 @@ class ManyChoices:
         tokens = ", ".join(a["token"] for a in accepted)
         headers = [(TOKEN_HEADER, tokens), *turn_headers(completions)]
 
+        readers: list[asyncio.Task[None]] = []  # a streamed answer's, one per choice
+
         def close() -> None:
+            for reader in readers:  # the stream may end between two of its events
+                reader.cancel()
             for peer in peers:
                 self.app.close_peer(peer)
 
         if chat.stream:
-            events = self._events(peers, completions, chat.include_usage)
+            events = self._events(peers, completions, chat.include_usage, readers)
             return self.app.sse_answer(events, headers, close)
         logprobs = chat.generate.params.logprobs
         try:
@@ -106,12 +110,17 @@ class ManyChoices:
                 self.app.close_peer(peer)
 
     async def _events(
-        self, peers: list[HttpPeer], completions: list[Completion], include_usage: bool
+        self,
+        peers: list[HttpPeer],
+        completions: list[Completion],
+        include_usage: bool,
+        readers: list[asyncio.Task[None]],
     ) -> AsyncIterator[bytes]:
         """The chunks of ``n`` choices as they come, each with its index; the usage of
         all and ``[DONE]`` once every choice is done. Events carry no ``id``: one
         number cannot say where ``n`` streams are (each choice's session resumes on
-        its own, ``GET /v1/sessions/{id}/stream``)."""
+        its own, ``GET /v1/sessions/{id}/stream``). ``readers`` gets the tasks that
+        follow the choices, for the response's cleanup to cancel."""
         arrivals: asyncio.Queue[tuple[int, list[dict[str, Any]]]] = asyncio.Queue()
 
         async def follow(index: int) -> None:
@@ -120,7 +129,7 @@ class ManyChoices:
                 if messages:
                     await arrivals.put((index, messages))
 
-        readers = [asyncio.create_task(follow(i)) for i in range(len(peers))]
+        readers += [asyncio.create_task(follow(i)) for i in range(len(peers))]
         usages: dict[int, dict[str, Any]] = {}
         try:
             for completion in completions:
