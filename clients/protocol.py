@@ -16,12 +16,13 @@ import itertools
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from wsinfer.clients.errors import ClientClosed, ConnectionLost, WsinferError, error_from_wire
 from wsinfer.contract import (
     IDEMPOTENCY_KEY_HEX,
     ClientMessageType,
+    FinishReasonName,
     ServerMessageType,
     TurnStatus,
 )
@@ -29,7 +30,7 @@ from wsinfer.contract import (
 Message = dict[str, Any]
 # {role, content}; an assistant's may carry tool_calls, a tool's its tool_call_id.
 ChatMessage = Mapping[str, Any]
-FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
+FinishReason = FinishReasonName  # declared with the contract's enum
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import msgpack
 
 from wsinfer import response_format
 from wsinfer import tools as tool_calling
-from wsinfer.contract import ErrorCode
+from wsinfer.contract import ErrorCode, FinishReasonName
 from wsinfer.sessions import keys
 
 # Settings every process that writes session keys shares. A session records
@@ -29,8 +29,7 @@ CLOSE_LINGER_S = 30
 # An engine whose last heartbeat is older than this is not routed to.
 ENGINE_FRESH_S = 5.0
 
-# tool_calls: a turn with tools that ended by itself after calling one or more.
-FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
+FinishReason = FinishReasonName  # declared with the contract's enum
 
 # Bounds that keep one request from hurting everybody else.
 MAX_NEW_TOKENS_LIMIT = 4096

@@ -10,6 +10,7 @@ here and in the doc.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Literal
 
 
 class ClientMessageType(str, Enum):
@@ -61,6 +62,12 @@ class FinishReason(str, Enum):
     CANCELLED = "cancelled"
     ERROR = "error"
     TOOL_CALLS = "tool_calls"  # a turn with tools ended by itself after calling
+
+
+# The same values as a type, for fields that hold the plain string (the turn record,
+# the Python client's state): a misspelt reason is a type error. A test holds the
+# two to the same values; nowhere else declares them.
+FinishReasonName = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 
 
 class TurnStatus(str, Enum):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import typing
 from enum import Enum
 from pathlib import Path
 
@@ -35,6 +36,10 @@ def test_error_codes_are_the_docs_list() -> None:
     line = next(row for row in DOC.splitlines() if row.startswith("| `error` |"))
     listed = set(re.findall(r"`([a-z_]+)`", line.split("codes:", 1)[1]))
     assert listed == _values(contract.ErrorCode)
+
+
+def test_the_finish_reason_type_and_enum_hold_the_same_values() -> None:
+    assert set(typing.get_args(contract.FinishReasonName)) == _values(contract.FinishReason)
 
 
 @pytest.mark.parametrize("reason", sorted(_values(contract.FinishReason)))
