@@ -190,7 +190,7 @@ def _parse_message(item: Any, index: int) -> dict[str, str]:
             "tool_call_id: tool only)"
         )
     content = item.get("content")
-    if "tool_calls" in item:
+    if item.get("tool_calls") not in (None, []):  # an empty list is no calls, as OpenAI reads it
         if content is not None and not isinstance(content, str):
             raise BadRequest("content must be a string (or null with tool_calls)")
         try:

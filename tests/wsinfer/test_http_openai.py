@@ -73,7 +73,7 @@ def test_session_headers_continue_a_session() -> None:
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role"),
         ({"tool_choice": "required"}, 400, "needs tools"),
-        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400, "tool_calls"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, 400, "tool_calls"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
         ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"stream": "yes"}, 400, "stream"),
@@ -117,6 +117,13 @@ def test_tools_calls_and_results_reach_the_turn_checked() -> None:
          "content": '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'},
         {"role": "tool", "content": "sunny"},
     ]  # fmt: skip
+
+
+def test_an_empty_tool_calls_list_is_no_calls() -> None:
+    said = {"role": "assistant", "content": "Hello.", "tool_calls": []}
+    chat = parse(messages=[{"role": "user", "content": "hi"}, said])
+    assert chat.generate.messages is not None
+    assert chat.generate.messages[1] == {"role": "assistant", "content": "Hello."}
 
 
 def test_values_are_checked_by_the_websocket_parser() -> None:

@@ -273,7 +273,7 @@ def _message(item: Any, index: int) -> dict[str, Any]:
     if role is None:
         raise bad_request(f"{param}.role must be one of {sorted(_ROLES)}", f"{param}.role")
     message: dict[str, Any] = {"role": role}
-    if item.get("tool_calls") is not None:  # the content may then be null
+    if item.get("tool_calls"):  # the content may then be null; [] is no calls
         message["tool_calls"] = item["tool_calls"]
         if item.get("content") is not None:
             message["content"] = _content(item["content"], f"{param}.content")
