@@ -83,9 +83,10 @@ def _id_key(entry_id: str) -> tuple[int, int]:
 class _Subscriber:
     deliver: Deliver
     position: str
-    # A paused subscriber (its connection's client is not reading) is neither
-    # read for nor delivered to; its output waits in Redis at its position.
-    paused: bool = False
+    # A held subscriber (backpressure: its connection's client is not reading) is
+    # neither read for nor delivered to; its output waits in Redis at its position.
+    # Nothing to do with a turn's pause.
+    held: bool = False
 
 
 @dataclass
@@ -96,8 +97,8 @@ class _Stream:
     def position(self) -> str | None:
         if len(self.subscribers) == 1:  # the usual case, every stream every round
             (only,) = self.subscribers.values()
-            return None if only.paused else only.position
-        active = [s.position for s in self.subscribers.values() if not s.paused]
+            return None if only.held else only.position
+        active = [s.position for s in self.subscribers.values() if not s.held]
         return min(active, key=_id_key) if active else None
 
 
@@ -174,16 +175,18 @@ class FanIn:
                 self.hot.discard(str(stream))
                 self.cold.discard(str(stream))  # its cold XREAD is re-sent when next due
 
-    def pause(self, owner: Hashable) -> None:
+    def hold(self, owner: Hashable) -> None:
+        """Backpressure: deliver nothing to ``owner`` (its client is not reading) until
+        ``let_go``. Not a turn's pause: the turn runs on, its deltas wait in Redis."""
         sub = self._subscriber(owner)
         if sub is not None:
-            sub.paused = True
+            sub.held = True
 
-    def resume(self, owner: Hashable) -> None:
+    def let_go(self, owner: Hashable) -> None:
         """Deliver again, from where the subscriber stopped."""
         sub = self._subscriber(owner)
-        if sub is not None and sub.paused:
-            sub.paused = False
+        if sub is not None and sub.held:
+            sub.held = False
             self._promote(self.owners[owner])
             self._request_wake()
 
@@ -298,7 +301,7 @@ class FanIn:
         last_id, last_key = entries[-1][0], decoded[-1][0]
         start = _id_key(read_from)
         for owner, sub in list(entry.subscribers.items()):
-            if sub.paused:
+            if sub.held:
                 continue
             seen = _id_key(sub.position)
             if seen < start:  # behind this read (see the module's doc): left for the next

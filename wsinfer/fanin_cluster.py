@@ -125,11 +125,11 @@ class ClusterFanIn(FanIn):
         self._dirty.add(keys.session_of(stream))
         super().subscribe(stream, owner, position, deliver)
 
-    def resume(self, owner: Hashable) -> None:
+    def let_go(self, owner: Hashable) -> None:
         stream = self.owners.get(owner)
         if stream is not None:
             self._dirty.add(keys.session_of(stream))
-        super().resume(owner)
+        super().let_go(owner)
 
     def _readers(self) -> list[Callable[[], Awaitable[None]]]:
         """Only reads of the dirty streams: a quiet stream costs nothing here anyway."""
@@ -167,7 +167,7 @@ class ClusterFanIn(FanIn):
         if not streams:
             return
         positions: dict[str, Any] = {s: self.streams[s].position() for s in streams}
-        wanted = [s for s in streams if positions[s] is not None]  # None: all paused
+        wanted = [s for s in streams if positions[s] is not None]  # None: all held
         if not wanted:
             return
         pipe = self.cluster.pipeline()

@@ -200,4 +200,4 @@ class Handlers:
         deliver = self.conn.on_events(command.session, command.turn)
         fanin.subscribe(key, owner, command.position, deliver)
         if self.conn.congested:  # its client is not reading: wait in Redis
-            fanin.pause(owner)
+            fanin.hold(owner)

@@ -321,12 +321,12 @@ class Connection:
             self.congested = True
             self._drained.clear()
             for session in self.protocol.feeds:
-                fanin.pause((self.id, session))
+                fanin.hold((self.id, session))
         elif self.congested and pending <= limit // 2:
             self.congested = False
             self._drained.set()
             for session in self.protocol.feeds:
-                fanin.resume((self.id, session))
+                fanin.let_go((self.id, session))
 
     def started_turn(self, session: str, turn: int) -> None:
         self.clock.started(session, turn)

@@ -146,7 +146,7 @@ class FanInMachine(RuleBasedStateMachine):
         self.ended: set[str] = set()
         self.current: dict[str, History] = {}
         self.histories: list[History] = []
-        self.paused: set[str] = set()
+        self.held: set[str] = set()
         self.reads: dict[str, tuple[asyncio.Task[Any], HeldRead]] = {}
         EXPLORED.setdefault(self.kind, Explored()).examples += 1
 
@@ -221,7 +221,7 @@ class FanInMachine(RuleBasedStateMachine):
         history = History(stream, position)
         self.histories.append(history)
         self.current[owner] = history
-        self.paused.discard(owner)
+        self.held.discard(owner)
         self.fan.subscribe(stream, owner, position, self._deliver_to(history))
         EXPLORED[self.kind].steps += 1
 
@@ -271,20 +271,20 @@ class FanInMachine(RuleBasedStateMachine):
         history = self.current.pop(owner, None)
         if history is not None:
             history.following = False
-        self.paused.discard(owner)
+        self.held.discard(owner)
 
     @rule(owner=st.sampled_from(OWNERS))
     def hold(self, owner: str) -> None:
         """Backpressure: the follower's client is not reading."""
-        self.fan.pause(owner)
+        self.fan.hold(owner)
         if owner in self.current:
-            self.paused.add(owner)
+            self.held.add(owner)
         EXPLORED[self.kind].steps += 1
 
     @rule(owner=st.sampled_from(OWNERS))
     def let_go(self, owner: str) -> None:
-        self.fan.resume(owner)
-        self.paused.discard(owner)
+        self.fan.let_go(owner)
+        self.held.discard(owner)
         EXPLORED[self.kind].steps += 1
 
     # --- the reads --------------------------------------------------------------------
@@ -380,7 +380,7 @@ class FanInMachine(RuleBasedStateMachine):
 
     def _drain(self) -> None:
         """Let every hold go and read until no follower is owed anything."""
-        for owner in list(self.paused):
+        for owner in list(self.held):
             self.let_go(owner)
         for reader in list(self.reads):
             self._hand_back(reader)
