@@ -237,13 +237,14 @@ class EngineProcess:
         if prompt_ids is None:
             prompt_ids = self._render(history)
             self.store.save_prompt(claimed, prompt_ids)
-        generated, seq = self.store.read_generated(session, turn)
+        published = self.store.read_published(session, turn)
+        generated, seq = published.ids, published.seq
         request_id = f"{session}:{turn}"
         active = ActiveTurn(session, turn, claimed.epoch, item, len(prompt_ids), seq)
         params = history.current.params
         if params.calls_tools:
             active.calls = ToolCallParser(tool_names(params.tools), f"call_{session}_{turn}")
-            active.calls.feed(self.store.published_text(session, turn))  # already out
+            active.calls.feed(published.text)  # already out
             params = _held_to_its_calls(params)
         self.active[request_id] = active
         self.core.add(

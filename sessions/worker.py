@@ -57,6 +57,16 @@ class ClaimedTurn:
     meta: SessionMeta
 
 
+@dataclass(frozen=True)
+class Published:
+    """What a turn's deltas hold so far: its tokens, its last seq (where a rebuild
+    continues), and what the model wrote (calls included)."""
+
+    ids: list[int]
+    seq: int
+    text: str
+
+
 @dataclass
 class TurnHistory:
     """Everything needed to rebuild a turn's context from the token log."""
@@ -337,8 +347,7 @@ class WorkerStore:
             return history
         for earlier in range(1, turn):
             past = self._turn_input(session, earlier)
-            events = self._events(session, earlier)
-            text = "".join(e.model_text for e in events if isinstance(e, DeltaEvent))
+            text = self.read_published(session, earlier).text
             history.chat_turns.append((past.messages or [], text))
         return history
 
@@ -360,18 +369,17 @@ class WorkerStore:
 
     def read_generated(self, session: str, turn: int) -> tuple[list[int], int]:
         """The turn's published tokens and its last seq: where a rebuild continues."""
-        ids: list[int] = []
-        seq = 0
-        for event in self._events(session, turn):
-            if isinstance(event, DeltaEvent):
-                ids.extend(event.tokens)
-                seq = event.seq
-        return ids, seq
+        published = self.read_published(session, turn)
+        return published.ids, published.seq
 
-    def published_text(self, session: str, turn: int) -> str:
-        """What the model wrote in the turn so far, as published (calls included)."""
-        events = self._events(session, turn)
-        return "".join(e.model_text for e in events if isinstance(e, DeltaEvent))
+    def read_published(self, session: str, turn: int) -> Published:
+        """Everything the turn's deltas hold, from one read of its stream."""
+        deltas = [e for e in self._events(session, turn) if isinstance(e, DeltaEvent)]
+        return Published(
+            [token for e in deltas for token in e.tokens],
+            deltas[-1].seq if deltas else 0,
+            "".join(e.model_text for e in deltas),
+        )
 
     def _events(self, session: str, turn: int) -> list[TurnEvent]:
         entries = self.redis.xrange(keys.turn_stream(session, turn)) or []
