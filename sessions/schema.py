@@ -10,8 +10,9 @@ turn stream's events, the errors they carry, and the session's meta hash.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, TypeVar
 
 import msgpack
 
@@ -109,10 +110,7 @@ class GenerationParams:
         return params
 
     def _check_tools(self) -> None:
-        try:
-            tool_calling.check_choice(self.tools, self.tool_choice)
-        except tool_calling.ToolsError as exc:
-            raise ParamsError(str(exc)) from exc
+        _as_params_error(tool_calling.check_choice)(self.tools, self.tool_choice)
         forced = self.tool_format
         if forced is None:
             return
@@ -122,10 +120,7 @@ class GenerationParams:
             raise ParamsError(
                 "min_tokens cannot be combined with a tool_choice that requires a call"
             )
-        try:
-            tool_calling.check_grammar(forced)
-        except tool_calling.ToolsError as exc:
-            raise ParamsError(str(exc)) from exc
+        _as_params_error(tool_calling.check_grammar)(forced)
 
     @property
     def tool_format(self) -> str | None:
@@ -135,11 +130,10 @@ class GenerationParams:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["stop"] = list(self.stop)
-        for name in _LEFT_OUT_WHEN_OFF:
-            if not out[name]:
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in _LEFT_OUT_AT_DEFAULT:
+            if out[name] == defaults[name]:
                 del out[name]
-        if out["parallel_tool_calls"]:
-            del out["parallel_tool_calls"]
         return out
 
     @classmethod
@@ -149,9 +143,10 @@ class GenerationParams:
         return cls(**raw)
 
 
-# Fields at their default are left out of a turn record: an engine from before them
-# reads every turn that does not use them as ever (a rolling upgrade).
-_LEFT_OUT_WHEN_OFF = (
+# Fields added after the first release, left out of a turn record at their default:
+# an engine from before them reads every turn that does not use them as ever (a
+# rolling upgrade).
+_LEFT_OUT_AT_DEFAULT = (
     "ignore_eos",
     "min_tokens",
     "logprobs",
@@ -159,6 +154,7 @@ _LEFT_OUT_WHEN_OFF = (
     "response_format",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
 )
 
 
@@ -219,27 +215,23 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _response_format(value: Any) -> str | None:
-    try:
-        return response_format.canonical(value)
-    except response_format.ResponseFormatError as exc:
-        raise ParamsError(str(exc)) from exc
+T = TypeVar("T")
 
 
-def _tools(value: Any) -> str | None:
-    try:
-        return tool_calling.canonical_tools(value)
-    except tool_calling.ToolsError as exc:
-        raise ParamsError(str(exc)) from exc
+def _as_params_error(check: Callable[..., T]) -> Callable[..., T]:
+    """``check`` with its refusal (a malformed format or tool) as a ``ParamsError``."""
+
+    def checked(*args: Any) -> T:
+        try:
+            return check(*args)
+        except (response_format.ResponseFormatError, tool_calling.ToolsError) as exc:
+            raise ParamsError(str(exc)) from exc
+
+    return checked
 
 
 def _tool_choice(value: Any) -> str | None:
-    if value is None:
-        return None
-    try:
-        return tool_calling.canonical_choice(value)
-    except tool_calling.ToolsError as exc:
-        raise ParamsError(str(exc)) from exc
+    return None if value is None else tool_calling.canonical_choice(value)
 
 
 _PARAM_CHECKS: dict[str, Any] = {
@@ -256,9 +248,9 @@ _PARAM_CHECKS: dict[str, Any] = {
     "min_tokens": _int_in(0, MAX_NEW_TOKENS_LIMIT, "min_tokens"),
     "logprobs": _flag("logprobs"),
     "top_logprobs": _int_in(0, MAX_TOP_LOGPROBS, "top_logprobs"),
-    "response_format": _response_format,
-    "tools": _tools,
-    "tool_choice": _tool_choice,
+    "response_format": _as_params_error(response_format.canonical),
+    "tools": _as_params_error(tool_calling.canonical_tools),
+    "tool_choice": _as_params_error(_tool_choice),
     "parallel_tool_calls": _flag("parallel_tool_calls"),
 }
 
