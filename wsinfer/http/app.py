@@ -329,12 +329,7 @@ class HttpApp:
         return HttpResponse.json(200, _info_body(info.session, info.turn, info.status, info.seq))
 
     async def delete(self, request: HttpRequest, session: str) -> HttpResponse:
-        command = SessionCommand(ClientMessageType.CLOSE, None, session, _session_token(request))
-        peer = self.open_peer()
-        try:
-            await peer.handlers.handle(command)
-        finally:
-            self.close_peer(peer)
+        await self.close_session(session, _session_token(request))
         return HttpResponse.json(200, {"id": session, "object": "session", "deleted": True})
 
     async def control(self, request: HttpRequest, session: str, action: str) -> HttpResponse:
@@ -369,6 +364,16 @@ class HttpApp:
         return HttpResponse.json(200, _info_body(session, info.turn, status, info.seq))
 
     # --- peers ------------------------------------------------------------------------
+
+    async def close_session(self, session: str, token: str) -> None:
+        """The WebSocket ``close`` of ``session``, on a peer of its own."""
+        peer = self.open_peer()
+        try:
+            await peer.handlers.handle(
+                SessionCommand(ClientMessageType.CLOSE, None, session, token)
+            )
+        finally:
+            self.close_peer(peer)
 
     def open_peer(self) -> HttpPeer:
         peer = HttpPeer(self.frontend)

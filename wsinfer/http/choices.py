@@ -15,7 +15,6 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from wsinfer.contract import ClientMessageType
 from wsinfer.http.connection import HttpResponse
 from wsinfer.http.openai import (
     SSE_DONE,
@@ -34,7 +33,7 @@ from wsinfer.http.openai import (
     turn_headers,
 )
 from wsinfer.http.peer import KEEPALIVE_S, HttpPeer
-from wsinfer.messages import Generate, SessionCommand
+from wsinfer.messages import Generate
 
 if TYPE_CHECKING:
     from wsinfer.http.app import HttpApp
@@ -99,15 +98,8 @@ class ManyChoices:
     async def _forget(self, accepted: list[dict[str, Any]]) -> None:
         """Close the sessions of a request refused after some of its choices started."""
         for started in accepted:
-            command = SessionCommand(
-                ClientMessageType.CLOSE, None, started["session"], started["token"]
-            )
-            peer = self.app.open_peer()
-            try:
-                with contextlib.suppress(Exception):
-                    await peer.handlers.handle(command)
-            finally:
-                self.app.close_peer(peer)
+            with contextlib.suppress(Exception):  # the request's own refusal goes on
+                await self.app.close_session(started["session"], started["token"])
 
     async def _events(
         self,

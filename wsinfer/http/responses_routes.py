@@ -117,13 +117,7 @@ class ResponsesRoutes:
         """Close the response's session: every response of the conversation goes with it."""
         rid = ResponseId.parse(response_id)
         await self._info(rid)
-        peer = self.app.open_peer()
-        try:
-            await peer.handlers.handle(
-                SessionCommand(ClientMessageType.CLOSE, None, rid.session, rid.token)
-            )
-        finally:
-            self.app.close_peer(peer)
+        await self.app.close_session(rid.session, rid.token)
         return HttpResponse.json(200, {"id": str(rid), "object": "response", "deleted": True})
 
     # --- streams ----------------------------------------------------------------------
