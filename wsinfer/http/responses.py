@@ -264,29 +264,27 @@ def _input(raw: Any) -> list[dict[str, Any]]:
 
 
 def _call(item: dict[str, Any], index: int) -> dict[str, Any]:
-    param = f"input[{index}]"
-    _only_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, param)
-    call_id = item.get("call_id")
-    if not isinstance(call_id, str):
-        raise bad_request(f"{param}.call_id must be a string", f"{param}.call_id")
+    call_id = _call_id(item, {"name", "arguments"}, f"input[{index}]")
     function = {"name": item.get("name"), "arguments": item.get("arguments")}
     return {"id": call_id, "type": "function", "function": function}  # checked as the chat's
 
 
 def _call_output(item: dict[str, Any], index: int) -> dict[str, Any]:
-    param = f"input[{index}]"
-    _only_keys(item, {"type", "call_id", "output", "id", "status"}, param)
-    call_id = item.get("call_id")
-    if not isinstance(call_id, str):
-        raise bad_request(f"{param}.call_id must be a string", f"{param}.call_id")
-    output = _text(item.get("output"), f"{param}.output")
+    call_id = _call_id(item, {"output"}, f"input[{index}]")
+    output = _text(item.get("output"), f"input[{index}].output")
     return {"role": "tool", "content": output, "tool_call_id": call_id}
 
 
-def _only_keys(item: dict[str, Any], allowed: set[str], param: str) -> None:
-    unknown = sorted(str(k) for k in item if k not in allowed)
+def _call_id(item: dict[str, Any], own: set[str], param: str) -> str:
+    """The ``call_id`` of a call item or of its output, whose other fields are ``own``
+    (and ``type``, ``id``, ``status``, which every item may carry)."""
+    unknown = sorted(str(k) for k in item if k not in {"type", "call_id", "id", "status", *own})
     if unknown:
         raise bad_request(f"unknown fields in {param}: {', '.join(unknown)}", param)
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str):
+        raise bad_request(f"{param}.call_id must be a string", f"{param}.call_id")
+    return call_id
 
 
 def _item(item: Any, index: int) -> dict[str, Any]:
