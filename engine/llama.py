@@ -175,6 +175,11 @@ def rms_norm(
 ) -> torch.Tensor:
     # As transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype
     # (OLMo-2's and Gemma's scale in float32, then cast).
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # The same arithmetic (x * rsqrt(mean(x^2) + eps), times the weight) bit for bit
+        # (tests/engine/test_llama_ops.py), as one call instead of six: at a decode step's
+        # few rows each op costs its dispatch, not its arithmetic.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if scale_fp32:
@@ -257,12 +262,19 @@ class FastLlama:
         for i, layer in enumerate(self.layers):
             cos, sin = ropes[self.rope_of_layer[i]]
             h = layer.norm(x, layer.norm_attn_in)
-            q, k, v = layer.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(n, self.num_heads, self.head_dim)
-            k = k.view(n, self.num_kv_heads, self.head_dim)
-            q, k = layer.qk_norm(q, k)
-            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-            out = attention(i, q, k, v.view(n, self.num_kv_heads, self.head_dim))
+            qkv = layer.qkv(h)
+            if self.family.qk_norm is None:
+                # q's heads and k's lie side by side: one rotary over both (the same
+                # bits as two, in half the calls).
+                heads = qkv[:, : q_size + kv_size].view(n, -1, self.head_dim)
+                q, k = rotary(heads, cos, sin).split([self.num_heads, self.num_kv_heads], 1)
+            else:
+                q = qkv[:, :q_size].view(n, self.num_heads, self.head_dim)
+                k = qkv[:, q_size : q_size + kv_size].view(n, self.num_kv_heads, self.head_dim)
+                q, k = layer.qk_norm(q, k)
+                q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+            v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
+            out = attention(i, q, k, v)
             x = x + layer.norm(layer.o(out.reshape(n, q_size)), layer.norm_attn_out)
             h = layer.norm(x, layer.norm_mlp_in)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
