@@ -318,6 +318,10 @@ class SessionMeta:
     # Redis time (s) a publish last pushed back the keys' expiry: a running
     # turn renews it every ttl/16 s, not on every delta (sessions/scripts.py).
     renewed_at: int = 0
+    # The latest turn's queued episode ('turn:epoch') a frontend following it first
+    # saw, and when: a turn queued too long unclaimed gets its work item again.
+    queued_mark: str = ""
+    queued_seen: float = 0.0
 
     @classmethod
     def from_hash(cls, raw: dict[Any, Any]) -> SessionMeta:

@@ -158,16 +158,43 @@ return {'illegal', status, seq}
 # Frontend: mark a followed session watched (idle pause) and push back the
 # expiry of all its keys. A session closed meanwhile stays gone: a blind HSET
 # would re-create its meta as a stub.
+#
+# And a turn left queued: the scripts that queue a turn (START_TURN, CONTROL's
+# requeue, RELEASE) cannot also write the work item on a Cluster (the queue
+# lives on another node), and a resume or release writes it in a second call
+# anywhere, so a process that dies between the two leaves the turn queued with
+# no item: no engine would ever run it. So the followed turn's queued episode
+# (turn and epoch) is noted with the time it was first seen queued; once it has
+# waited ``resend_after`` seconds unclaimed, the reply is 2: re-send the work
+# item (and not again for another ``resend_after``, whichever frontend asks).
+# A duplicate item is harmless: an engine's claim of a turn no longer queued is
+# refused, and the item acked. ``resend_after`` 0: no such check.
 # KEYS: meta, then every other key of the session
-# ARGV: now, ttl
+# ARGV: now, ttl, followed turn, the queued status, resend_after
+# Returns 0 (the session is gone), 1, or 2 (re-send the turn's work item).
 TOUCH = (
     _PRELUDE
     + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-watched(KEYS[1], ARGV[1])
-local ttl = ttl_of(KEYS[1], ARGV[2])
+local meta = KEYS[1]
+if redis.call('EXISTS', meta) == 0 then return 0 end
+watched(meta, ARGV[1])
+local ttl = ttl_of(meta, ARGV[2])
 for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
-return 1
+if tonumber(ARGV[5]) <= 0 then return 1 end
+local m = redis.call('HMGET', meta, 'turn', 'status', 'epoch', 'queued_mark', 'queued_seen')
+if m[1] ~= ARGV[3] or m[2] ~= ARGV[4] then
+  if m[4] then redis.call('HDEL', meta, 'queued_mark', 'queued_seen') end
+  return 1
+end
+local mark = m[1] .. ':' .. (m[3] or '')
+local now = tonumber(ARGV[1])
+if m[4] ~= mark then
+  redis.call('HSET', meta, 'queued_mark', mark, 'queued_seen', ARGV[1])
+  return 1
+end
+if now - tonumber(m[5]) < tonumber(ARGV[5]) then return 1 end
+redis.call('HSET', meta, 'queued_seen', ARGV[1])
+return 2
 """
 )
 

@@ -322,23 +322,33 @@ class SessionStore:
                 return
         raise RuntimeError(f"session {session} kept moving under a close")
 
-    async def touch(self, sessions: dict[str, int]) -> list[str]:
-        """Mark followed sessions as watched and push back their expiry (one round trip
-        per Redis node).
+    async def touch(self, sessions: dict[str, int], resend_after_s: float = 0.0) -> Touched:
+        """Mark followed sessions (each with the turn followed) as watched and push
+        back their expiry, one round trip per Redis node.
 
-        Returns the sessions that no longer exist (closed, expired, or lost
-        with a Redis that restarted without persistence).
+        ``gone``: the sessions that no longer exist (closed, expired, or lost with a
+        Redis that restarted without persistence). With ``resend_after_s``, the
+        followed turns queued that long without a claim get their work item again
+        (``resent``): the process that queued one may have died before writing it.
         """
         now = time.time()
+        queued, after = Status.QUEUED.value, max(resend_after_s, 0.0)
         calls: list[ScriptCall] = [
-            (self._touch, keys.session_keys(session, turns), [now, self.ttl_s])
-            for session, turns in sessions.items()
+            (self._touch, keys.session_keys(session, turn), [now, self.ttl_s, turn, queued, after])
+            for session, turn in sessions.items()
         ]
         replies = await run_scripts_async(self.redis, calls)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        return [s for s, found in zip(sessions, replies, strict=True) if not found]
+        touched = Touched()
+        for (session, turn), reply in zip(sessions.items(), replies, strict=True):
+            if not reply:
+                touched.gone.append(session)
+            elif int(reply) == 2:
+                await self.enqueue(session, turn)
+                touched.resent.append((session, turn))
+        return touched
 
     async def read_turn(self, session: str, turn: int) -> tuple[list[TurnEvent], str]:
         """Every event of a turn so far, and the stream id to follow live from."""
@@ -381,6 +391,14 @@ class SessionStore:
             return 0
         lag = engine_group_lag(groups)
         return int(await self.redis.xlen(keys.REQUESTS)) if lag is None else lag
+
+
+@dataclass
+class Touched:
+    """What ``SessionStore.touch`` found."""
+
+    gone: list[str] = field(default_factory=list)  # sessions that no longer exist
+    resent: list[tuple[str, int]] = field(default_factory=list)  # turns re-sent to engines
 
 
 @dataclass(frozen=True)

@@ -140,11 +140,11 @@ class Handlers:
     async def _execute_reads(self, command: Command) -> Event | None:
         if isinstance(command, ReadTurn):
             # Watched and read at once: a resume waits for one round trip, not two.
-            gone, (events, last_id) = await asyncio.gather(
+            touched, (events, last_id) = await asyncio.gather(
                 self.store.touch({command.session: command.turn}),
                 self.store.read_turn(command.session, command.turn),
             )
-            if gone:
+            if touched.gone:
                 return TurnRead([], "0-0", found=False)
             replayed = sum(isinstance(e, DeltaEvent) and e.seq > command.after for e in events)
             self.frontend.metrics.replayed.inc(replayed)

@@ -77,6 +77,11 @@ class Metrics:
         self.replayed = Counter(
             "wsinfer_replayed_deltas", "Delta events replayed to resuming clients", registry=r
         )
+        self.resent = Counter(
+            "wsinfer_resent_work_items",
+            "Work items re-sent for followed turns left queued unclaimed (a lost item)",
+            registry=r,
+        )
 
     def _define_latency(self, r: CollectorRegistry) -> None:
         self.ttft = Histogram(

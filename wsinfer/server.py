@@ -58,6 +58,9 @@ class FrontendConfig:
     max_queued_turns: int = 256  # beyond this, generate gets `overloaded`
     max_frame_bytes: int = 1 << 20
     touch_interval_s: float = 5.0
+    # A followed turn queued this long unclaimed gets its work item again (its
+    # starter may have died before writing it; a duplicate is refused by the claim).
+    resend_queued_after_s: float = 30.0
     model_name: str = "wsinfer"  # the model id of the OpenAI-compatible routes
     engine_heartbeat_s: float = ENGINE_FRESH_S  # an engine silent longer is not counted
     redis_pool_size: int = DEFAULT_POOL_SIZE  # requests beyond it wait for a connection
@@ -167,11 +170,14 @@ class Frontend:
             if not followed:
                 continue
             try:
-                gone = await self.store.touch(followed)
+                touched = await self.store.touch(followed, self.config.resend_queued_after_s)
             except aioredis.RedisError as exc:
                 self.log_limited("warning", "redis unavailable: cannot touch", error=str(exc))
                 continue
-            for session in gone:
+            for session, turn in touched.resent:
+                self.metrics.resent.inc()
+                log.warning("re-sent a queued turn's work item", session=session, turn=turn)
+            for session in touched.gone:
                 self._session_lost(session)
 
     async def _ping_redis(self) -> None:

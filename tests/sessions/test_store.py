@@ -279,7 +279,7 @@ async def test_touch_does_not_bring_back_a_closed_session(
     session, token = await store.create(CHAT)
     await store.close(session, token)
     # A follower on another connection, a moment late: told the session is gone.
-    assert await store.touch({session: 1}) == [session]
+    assert (await store.touch({session: 1})).gone == [session]
     lingering = keys.turn_stream(session, 1)
     assert not redis_client.exists(*[k for k in keys.session_keys(session, 1) if k != lingering])
     assert 0 < redis_client.ttl(lingering) <= CLOSE_LINGER_S
@@ -518,9 +518,9 @@ def test_the_scripts_use_only_the_meta_fields_of_the_record() -> None:
 
 
 _LUA_WORDS = {
-    "HGET", "HMGET", "HSET", "HINCRBY", "HGETALL", "EXISTS", "EXPIRE", "DEL", "SET", "EX", "XADD",
-    "SPUBLISH", "TIME", "ok", "not_found", "illegal", "stale", "fenced", "gap", "moved", "mode",
-    "exists", "new", "done", "stop", "repeat", "m", "control:", "done_cancelled", "paused",
+    "HGET", "HMGET", "HSET", "HINCRBY", "HGETALL", "HDEL", "EXISTS", "EXPIRE", "DEL", "SET", "EX",
+    "XADD", "SPUBLISH", "TIME", "ok", "not_found", "illegal", "stale", "fenced", "gap", "moved",
+    "mode", "exists", "new", "done", "stop", "repeat", "m", "control:", "done_cancelled", "paused",
     "requeue", "1",
 }  # fmt: skip
 
@@ -630,3 +630,76 @@ async def test_one_step_publishes_many_turns_each_with_its_own_outcome(
     # The same step again (its reply lost to an outage): nothing written twice.
     assert [r.outcome for r in worker.publish_many(step[1:2])] == ["ok"]
     assert worker.read_generated(first, 1) == ([1, 11], 2)
+
+
+# --- a queued turn whose work item was lost --------------------------------------------
+
+
+def _lose_queued_items(redis_client: redis.Redis) -> None:
+    """What a frontend that died between a turn's script and its XADD leaves: the
+    turn queued, no item for any engine."""
+    redis_client.xtrim(keys.REQUESTS, maxlen=0)
+
+
+async def test_a_followed_turn_left_queued_gets_its_work_item_again_once_it_has_waited(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    session, _ = await store.create(CHAT)
+    _lose_queued_items(redis_client)
+    assert (await store.touch({session: 1}, resend_after_s=0.3)).resent == []  # first seen
+    assert (await store.touch({session: 1}, resend_after_s=0.3)).resent == []  # too soon
+    assert (await store.touch({session: 1})).resent == []  # no check asked for
+    assert worker.read_work(10, None) == []
+    time.sleep(0.35)  # the turn has now waited longer than resend_after_s
+    assert (await store.touch({session: 1}, resend_after_s=0.3)).resent == [(session, 1)]
+    assert (await store.touch({session: 1}, resend_after_s=0.3)).resent == []  # once a period
+    item, claimed = _claim_next(worker)
+    assert claimed is not None and (claimed.session, claimed.turn) == (session, 1)
+    time.sleep(0.35)
+    assert (await store.touch({session: 1}, resend_after_s=0.3)).resent == []  # running now
+    assert redis_client.hget(keys.meta(session), "queued_mark") is None
+
+
+async def test_a_resent_item_beside_the_original_runs_the_turn_once(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    """The item was only slow, not lost: the duplicate's claim is refused."""
+    session, _ = await store.create(CHAT)
+    await store.touch({session: 1}, resend_after_s=0.1)
+    time.sleep(0.15)
+    assert (await store.touch({session: 1}, resend_after_s=0.1)).resent == [(session, 1)]
+    items = worker.read_work(10, None)
+    assert [i.request for i in items] == [items[0].request] * 2
+    claims = [worker.claim(i.request, takeover=False) for i in items]
+    assert claims[0] is not None and claims[1] is None
+
+
+async def test_two_frontends_following_a_stuck_turn_resend_it_once_a_period(
+    aredis: aioredis.Redis, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    first, second = SessionStore(aredis, ttl_s=60), SessionStore(aredis, ttl_s=60)
+    session, _ = await first.create(CHAT)
+    _lose_queued_items(redis_client)
+    await first.touch({session: 1}, resend_after_s=0.2)
+    time.sleep(0.25)
+    resent = [await s.touch({session: 1}, resend_after_s=0.2) for s in (second, first)]
+    assert [r.resent for r in resent] == [[(session, 1)], []]
+    assert len(worker.read_work(10, None)) == 1
+
+
+async def test_only_the_followed_latest_turn_while_queued_is_resent(
+    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    session, token = await store.create(CHAT)
+    _lose_queued_items(redis_client)
+    await store.control(session, token, 1, "pause")  # queued --pause--> paused
+    await store.touch({session: 1}, resend_after_s=0.1)
+    time.sleep(0.15)
+    assert (await store.touch({session: 1}, resend_after_s=0.1)).resent == []
+    # Resumed: queued again, its item written in a second call that is lost too.
+    await store.control(session, token, 1, "resume")
+    _lose_queued_items(redis_client)
+    await store.touch({session: 1}, resend_after_s=0.1)
+    time.sleep(0.15)
+    assert (await store.touch({session: 1}, resend_after_s=0.1)).resent == [(session, 1)]
+    assert _claim_next(worker)[1] is not None

@@ -177,6 +177,43 @@ async def test_pause_then_resume_continues_the_same_text(frontend: Frontend) -> 
     await client.close()
 
 
+async def test_a_resumed_turn_whose_work_item_was_lost_still_runs_to_its_end(
+    stack: Stack,
+) -> None:
+    """A resume queues the turn, then writes its work item in a second call: a
+    frontend that died between the two left a turn no engine would run. A frontend
+    following it sends the item again once it has waited; the client gets the rest,
+    nothing lost, nothing repeated."""
+    frontend = await start_frontend(stack.redis_url, resend_queued_after_s=0.5)
+    try:
+        reference, _ = await run_turn(frontend.port)
+        lost: list[tuple[str, int]] = []
+        enqueue = frontend.store.enqueue
+
+        async def lose_the_first(session: str, turn: int) -> None:
+            if not lost:
+                lost.append((session, turn))  # the script ran; the XADD never does
+                return
+            await enqueue(session, turn)
+
+        frontend.store.enqueue = lose_the_first  # type: ignore[method-assign]
+        client = await Client.open(frontend.port)
+        await client.send(type="generate", messages=PROMPT, params=GREEDY)
+        session = await client.recv()
+        ids = {"session": session["session"], "token": session["token"]}
+        await client.send(type="pause", **ids)
+        text, seq = joined(await client.until("paused"))
+        await client.send(type="resume", after=seq, **ids)
+        tail = await client.until("done")
+        rest, _ = joined(tail, after=seq)
+        assert lost == [(session["session"], 1)]
+        assert text + rest == reference
+        assert frontend.metrics.resent._value.get() == 1
+        await client.close()
+    finally:
+        await frontend.stop()
+
+
 async def test_multi_turn_and_conflict_while_running(frontend: Frontend) -> None:
     client = await Client.open(frontend.port)
     # Greedy: sampling is ~4x slower per token on CPU, and not what this checks.
