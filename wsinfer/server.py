@@ -2,30 +2,24 @@
 
 It only moves frames, runs each request against Redis through ``Frontend``'s
 handlers, and feeds turn events from the shared ``FanIn`` into each
-connection's protocol object. Plain HTTP routes (/healthz, /metrics, the chat
-page) are served on the same port during the handshake.
+connection's protocol object. The plain routes (/healthz, /metrics, the chat
+page: ``wsinfer/plain_routes.py``) answer on the same port during the handshake.
 """
 
 from __future__ import annotations
 
 import asyncio
-import mimetypes
 import time
 import uuid
 from dataclasses import dataclass, field
-from http import HTTPStatus
-from importlib.resources import files
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request, Response
 
-from wsinfer.access import Access, Denied, is_public, request_path, shorten
+from wsinfer.access import Access
 from wsinfer.contract import CloseCode, ErrorCode
 from wsinfer.errors import ClientError, StoreUnavailable, WsinferError
 from wsinfer.fanin import make_fanin
@@ -35,6 +29,7 @@ from wsinfer.http.door import front_door
 from wsinfer.limits import CapacityGate, LogThrottle, TokenBucket
 from wsinfer.messages import SUBPROTOCOLS, Limits, codec_for
 from wsinfer.metrics import Metrics
+from wsinfer.plain_routes import PlainRoutes
 from wsinfer.protocol import ConnectionProtocol
 from wsinfer.sendpath import DeflateLargeFactory, Sender
 from wsinfer.sessions.connect import ready
@@ -43,9 +38,6 @@ from wsinfer.sessions.schema import DEFAULT_SESSION_TTL_S, ENGINE_FRESH_S
 from wsinfer.sessions.store import SessionStore
 
 log = structlog.get_logger("wsinfer.frontend")
-
-# Resolved through the package, so it works installed as well as editable.
-BROWSER_DIR = Path(str(files("wsinfer.clients") / "browser"))
 
 
 @dataclass
@@ -96,6 +88,7 @@ class Frontend:
         self.access = Access(
             config.api_keys, config.allowed_origins, config.allowed_hosts, config.host
         )
+        self.routes = PlainRoutes(self)  # /healthz, /metrics, the chat page
         self.http = HttpApp(self)  # plain HTTP on the same port (wsinfer/http/)
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
@@ -112,7 +105,7 @@ class Frontend:
             self.config.port,
             subprotocols=list(SUBPROTOCOLS),  # type: ignore[arg-type]
             select_subprotocol=_select_subprotocol,
-            process_request=self._process_request,
+            process_request=lambda _conn, request: self.routes.answer(request),
             create_connection=front_door(self.http),
             max_size=self.config.max_frame_bytes,
             extensions=[DeflateLargeFactory()],
@@ -199,27 +192,6 @@ class Frontend:
 
     # --- HTTP on the same port -------------------------------------------------
 
-    async def _process_request(
-        self, conn: ServerConnection | None, request: Request
-    ) -> Response | None:
-        try:
-            path = request_path(request.path)
-            self.access.check(request.headers, request.path, needs_key=not is_public(path))
-        except Denied as exc:
-            self.refused(exc.code, path=shorten(request.path))
-            return _text(HTTPStatus(exc.status), f"{exc.message}\n")
-        if path == "/v1/ws":
-            return None
-        if path == "/healthz":
-            return await self._healthz()
-        if path == "/metrics":
-            return _response(HTTPStatus.OK, self.metrics.render(), "text/plain; version=0.0.4")
-        if path == "/":
-            return _static("index.html")
-        if path.startswith("/static/"):
-            return _static(path.removeprefix("/static/"))
-        return _text(HTTPStatus.NOT_FOUND, "not found\n")
-
     def refused(self, code: str, **fields: Any) -> None:
         """A request refused before it ran (key, host, origin, malformed): one INFO line."""
         if code == "invalid_api_key":
@@ -237,20 +209,6 @@ class Frontend:
             self.log_limited("warning", "request failed", code=error.code.value)
         else:
             self.log_limited("exception", "request failed", request=request)
-
-    async def _healthz(self) -> Response:
-        if self.draining:
-            return _text(HTTPStatus.SERVICE_UNAVAILABLE, "draining\n")
-        try:
-            await self.redis.ping()
-            engines = await self.store.engines_alive(self.config.engine_heartbeat_s)
-        except aioredis.RedisError as exc:
-            # Unauthenticated: say what is wrong, not where Redis lives.
-            self.log_limited("warning", "healthz: redis unavailable", error=str(exc))
-            return _text(HTTPStatus.SERVICE_UNAVAILABLE, "redis unavailable\n")
-        if engines == 0:
-            return _text(HTTPStatus.SERVICE_UNAVAILABLE, "no engine is answering\n")
-        return _text(HTTPStatus.OK, f"ok: {engines} engine(s)\n")
 
     # --- WebSocket ---------------------------------------------------------------
 
@@ -351,28 +309,3 @@ def _select_subprotocol(conn: ServerConnection, offered: Any) -> Any:
         if name in SUBPROTOCOLS:
             return name
     return None
-
-
-def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
-    headers = Headers(
-        [
-            ("Content-Type", content_type),
-            ("Content-Length", str(len(body))),
-            ("Cache-Control", "no-store"),
-        ]
-    )
-    return Response(status.value, status.phrase, headers, body)
-
-
-def _text(status: HTTPStatus, text: str) -> Response:
-    return _response(status, text.encode(), "text/plain; charset=utf-8")
-
-
-def _static(name: str) -> Response:
-    path = (BROWSER_DIR / name).resolve()
-    if BROWSER_DIR.resolve() not in path.parents or not path.is_file():
-        return _text(HTTPStatus.NOT_FOUND, "not found\n")
-    kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-    if path.suffix in (".js", ".mjs"):
-        kind = "text/javascript"
-    return _response(HTTPStatus.OK, path.read_bytes(), f"{kind}; charset=utf-8")

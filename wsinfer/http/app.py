@@ -171,7 +171,7 @@ class HttpApp:
             message = f"{request.method} is not allowed on {shorten(path)}"
             raise OpenAIError(405, message, code="method", headers=[("Allow", "GET")])
         as_handshake = Request(request.target, request.headers)
-        answer = await self.frontend._process_request(None, as_handshake)
+        answer = await self.frontend.routes.answer(as_handshake)
         if answer is None:  # /v1/ws, authorized, but not a WebSocket handshake
             head = [("Upgrade", "websocket"), ("Content-Type", "text/plain")]
             return HttpResponse(426, head, b"upgrade required\n")
