@@ -16,7 +16,7 @@ from collections.abc import Callable
 import redis
 import structlog
 
-from wsinfer.sessions.connection import Backoff, is_outage
+from wsinfer.sessions.connect import Backoff, is_outage
 
 log = structlog.get_logger("wsinfer.engine")
 

@@ -30,7 +30,7 @@ from wsinfer.engine.metrics import EngineMetrics
 from wsinfer.engine.model import LoadedModel, ModelLoadError, load_model
 from wsinfer.engine.outage import OutageGuard
 from wsinfer.engine.prompts import render_chat, render_text
-from wsinfer.sessions.connection import sync_client
+from wsinfer.sessions.connect import sync_client
 from wsinfer.sessions.schema import (
     DEFAULT_SESSION_TTL_S,
     DeltaEvent,

@@ -1,4 +1,5 @@
-"""Every Redis client wsinfer builds, from one URL: standalone, Cluster or Sentinel.
+"""Every Redis client wsinfer builds, from one URL: standalone, Cluster or Sentinel;
+their pools and timeouts; what counts as an outage; reconnect backoff.
 
 URL forms (``rediss`` for TLS works wherever ``redis`` does):
 
@@ -12,13 +13,21 @@ URL forms (``rediss`` for TLS works wherever ``redis`` does):
 The rest of wsinfer sees a ``redis.Redis`` (or its asyncio twin): a cluster
 client has the same command methods, and everything that differs (pipelined
 scripts, multi-stream reads) asks ``is_cluster`` and goes its own way.
+
+redis-py's asyncio pool refuses a request once its (default 100) connections are
+in use: under load that surfaced as ``internal`` errors. A frontend's requests
+are short, so a bounded ``BlockingConnectionPool`` makes request 101 wait a
+moment for a free connection instead of failing, and keeps the number of
+sockets to Redis fixed however many clients arrive. Connect and read timeouts
+are set so that a Redis that vanishes is noticed in seconds (and reported to
+clients), not waited on forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -106,11 +115,9 @@ def _async_retry() -> AsyncRetry:
     return AsyncRetry(ExponentialWithJitterBackoff(cap=FAILOVER_BACKOFF_CAP_S), FAILOVER_RETRIES)
 
 
-def sync_client(url: str, **kwargs: Any) -> redis.Redis:
-    """A blocking client for ``url`` (the engine's)."""
+def _sync_topology_client(url: str, **kwargs: Any) -> redis.Redis:
+    """A blocking client for a Cluster or Sentinel ``url``."""
     target = parse(url)
-    if target.kind == "standalone":
-        return redis.Redis.from_url(url, **kwargs)
     if target.kind == "cluster":
         nodes = [redis.cluster.ClusterNode(h, p) for h, p in target.nodes]
         client = redis.cluster.RedisCluster(
@@ -123,11 +130,9 @@ def sync_client(url: str, **kwargs: Any) -> redis.Redis:
     return sentinel.master_for(target.service, retry=_retry(), **_auth(target, db=True))
 
 
-def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
-    """An asyncio client for ``url`` (the frontend's)."""
+def _async_topology_client(url: str, **kwargs: Any) -> aioredis.Redis:
+    """An asyncio client for a Cluster or Sentinel ``url``."""
     target = parse(url)
-    if target.kind == "standalone":
-        return aioredis.from_url(url, **kwargs)
     if target.kind == "cluster":
         nodes = [acluster.ClusterNode(h, p) for h, p in target.nodes]
         # redis-py's own retry policy: a custom one here made concurrent
@@ -185,102 +190,90 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, redis.cluster.RedisCluster | acluster.RedisCluster)
 
 
-# --- scripts in bulk ---------------------------------------------------------
-#
-# A pipeline of script calls is one round trip on one server. A cluster client
-# refuses pipelined EVALSHA, so there the calls are grouped by the node that
-# owns each call's first key and sent as one pipeline per node; a call that
-# meets a moved slot or a node that went away is retried alone through the
-# cluster client, which follows redirections and refreshes its slot map.
+# Enough to keep Redis busy from one frontend; more only adds contention.
+DEFAULT_POOL_SIZE = 32
+# How long a request waits for a free pooled connection before failing.
+POOL_WAIT_S = 20.0
+CONNECT_TIMEOUT_S = 2.0
+# Replies to our commands take milliseconds; a silent socket this long is dead.
+READ_TIMEOUT_S = 15.0
 
-ScriptCall = tuple[Any, Sequence[Any], Sequence[Any]]  # (registered script, keys, args)
-# One server: load's run_pipeline (plain EVALSHA, scripts loaded once per client).
-
-
-def run_scripts(client: redis.Redis, calls: list[ScriptCall]) -> list[Any]:
-    """Every call's reply, in order; a failed call's reply is its exception."""
-    if not is_cluster(client):
-        from wsinfer.sessions.connection import queue_script, run_pipeline_sync
-
-        def build(pipe: Any) -> None:
-            for script, keys, args in calls:
-                queue_script(pipe, script, list(keys), list(args))
-
-        return run_pipeline_sync(client, build, _distinct(calls))
-    cluster = cast(redis.cluster.RedisCluster, client)
-    by_node: dict[str, list[int]] = {}
-    nodes: dict[str, Any] = {}
-    for index, (_, keys, _) in enumerate(calls):
-        node = cluster.get_node_from_key(keys[0])
-        nodes[node.name] = node
-        by_node.setdefault(node.name, []).append(index)
-    replies: list[Any] = [None] * len(calls)
-    for name, indexes in by_node.items():
-        _run_on_node(nodes[name].redis_connection, calls, indexes, replies)
-    for index, reply in enumerate(replies):
-        if isinstance(reply, redis.RedisError):
-            replies[index] = _retry_alone(calls[index])
-    return replies
+# Errors that mean "Redis is not reachable right now" (as opposed to a bad
+# command): the caller backs off and tries again, or reports unavailability.
+OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ConnectionError,  # the builtin one (resets, refusals) when redis-py does not wrap it
+)
 
 
-def _distinct(calls: list[ScriptCall]) -> list[Any]:
-    """The scripts ``calls`` use, each once (to load before the pipeline)."""
-    return list({script.sha: script for script, _, _ in calls}.values())
+def is_outage(exc: BaseException) -> bool:
+    """True for a lost or refused connection; also the empty replica a
+    restarted Redis without persistence is while it loads (BUSY/LOADING)."""
+    if isinstance(exc, OUTAGE_ERRORS):
+        return True
+    # A cluster failing over or moving a slot: CLUSTERDOWN, TRYAGAIN, or
+    # redis-py giving up on its own redirections ("TTL exhausted").
+    if isinstance(exc, ClusterError | TryAgainError):
+        return True
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(("LOADING", "BUSY"))
 
 
-def _retry_alone(call: ScriptCall) -> Any:
-    """One call through the cluster client, again while a failover or a slot
-    migration is under way.
-
-    Safe to repeat: the session scripts recognise a call that already took
-    effect (the publish's ``pub`` number), so a reply lost with its connection
-    does not write twice.
-    """
-    script, keys, args = call
-    deadline = time.monotonic() + FAILOVER_WINDOW_S
-    while True:
-        try:
-            return script(keys=keys, args=args)
-        # ClusterError: CLUSTERDOWN, or redis-py out of redirections while a
-        # slot migrates; TryAgainError: the session's keys are half moved.
-        except (redis.ConnectionError, redis.TimeoutError, ClusterError, TryAgainError) as exc:
-            if time.monotonic() > deadline:
-                return exc
-            time.sleep(0.25)
-        except redis.RedisError as exc:
-            return exc
-
-
-def _run_on_node(
-    node: redis.Redis, calls: list[ScriptCall], indexes: list[int], replies: list[Any]
-) -> None:
-    pipe = node.pipeline(transaction=False)
-    for index in indexes:
-        script, keys, args = calls[index]
-        script(keys=keys, args=args, client=pipe)
-    try:
-        results = pipe.execute(raise_on_error=False)
-    except redis.RedisError as exc:  # the node is gone: each call retries alone
-        results = [exc] * len(indexes)
-    for index, result in zip(indexes, results, strict=True):
-        replies[index] = result
-
-
-async def run_scripts_async(client: aioredis.Redis, calls: list[ScriptCall]) -> list[Any]:
-    """``run_scripts`` for asyncio; on a cluster the calls go concurrently, 64 at a time."""
-    if not is_cluster(client):
-        from wsinfer.sessions.connection import queue_script, run_pipeline
-
-        def build(pipe: Any) -> None:
-            for script, keys, args in calls:
-                queue_script(pipe, script, list(keys), list(args))
-
-        return await run_pipeline(client, build, _distinct(calls))
-    replies: list[Any] = []
-    for start in range(0, len(calls), 64):
-        chunk = calls[start : start + 64]
-        replies += await asyncio.gather(
-            *(script(keys=keys, args=args) for script, keys, args in chunk),
-            return_exceptions=True,
+def async_client(
+    url: str, *, pool_size: int = DEFAULT_POOL_SIZE, read_timeout_s: float | None = READ_TIMEOUT_S
+) -> aioredis.Redis:
+    """An asyncio client for ``url`` (a frontend's); one server's on a bounded pool,
+    which makes a request wait for a free connection rather than fail on count."""
+    if parse(url).kind != "standalone":
+        return _async_topology_client(
+            url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=read_timeout_s
         )
-    return replies
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=pool_size,
+        timeout=POOL_WAIT_S,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=read_timeout_s,
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
+def sync_client(
+    url: str,
+    *,
+    read_timeout_s: float = READ_TIMEOUT_S,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+) -> redis.Redis:
+    """A blocking client for ``url`` (an engine's: one thread, one connection at a time)."""
+    timeouts = {"socket_connect_timeout": connect_timeout_s, "socket_timeout": read_timeout_s}
+    if parse(url).kind != "standalone":
+        return _sync_topology_client(url, **timeouts)
+    return redis.Redis.from_url(url, **timeouts)
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with jitter for reconnect loops; ``reset`` on success."""
+
+    first_s: float = 0.1
+    max_s: float = 2.0
+    failures: int = 0
+    down_since: float | None = field(default=None)
+
+    def failed(self) -> float:
+        """Record a failure; returns how long to wait before the next try."""
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+        self.failures += 1
+        delay = min(self.max_s, self.first_s * 2 ** (self.failures - 1))
+        return delay * random.uniform(0.5, 1.0)
+
+    def reset(self) -> float | None:
+        """Record a success; returns how long the outage lasted (None: there was none)."""
+        lasted = None if self.down_since is None else time.monotonic() - self.down_since
+        self.failures, self.down_since = 0, None
+        return lasted
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None

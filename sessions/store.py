@@ -20,8 +20,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from wsinfer.sessions import keys, scripts
-from wsinfer.sessions.connect import ScriptCall, is_cluster, run_scripts_async
-from wsinfer.sessions.connection import queue_script, run_pipeline
+from wsinfer.sessions.connect import is_cluster
 from wsinfer.sessions.schema import (
     CLOSE_LINGER_S,
     DEFAULT_SESSION_TTL_S,
@@ -37,6 +36,7 @@ from wsinfer.sessions.schema import (
     engine_group_lag,
     pack,
 )
+from wsinfer.sessions.scripting import ScriptCall, queue_script, run_pipeline, run_scripts_async
 from wsinfer.sessions.states import Action, IllegalTransition, Status, allowed_from, target
 
 # Attempts at a write whose pre-encoded event an engine's publish outdated

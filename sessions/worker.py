@@ -16,8 +16,7 @@ import msgpack
 import redis
 
 from wsinfer.sessions import keys, scripts
-from wsinfer.sessions.connect import ScriptCall, is_cluster, run_scripts
-from wsinfer.sessions.connection import load_scripts_once
+from wsinfer.sessions.connect import is_cluster
 from wsinfer.sessions.schema import (
     DEFAULT_SESSION_TTL_S,
     DeltaEvent,
@@ -34,6 +33,7 @@ from wsinfer.sessions.schema import (
     engine_group_lag,
     pack,
 )
+from wsinfer.sessions.scripting import ScriptCall, load_scripts_once, run_scripts
 from wsinfer.sessions.states import Action, allowed_from, target
 
 

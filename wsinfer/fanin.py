@@ -36,8 +36,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from wsinfer.sessions import keys
-from wsinfer.sessions.connect import is_cluster
-from wsinfer.sessions.connection import Backoff, is_outage
+from wsinfer.sessions.connect import Backoff, is_cluster, is_outage
 from wsinfer.sessions.schema import (
     DoneEvent,
     TurnEvent,

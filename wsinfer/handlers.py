@@ -47,7 +47,7 @@ from wsinfer.messages import ClientMessage, Generate, Resume
 from wsinfer.metrics import Metrics
 from wsinfer.protocol import NO_SUCH_SESSION, ConnectionProtocol, Plan
 from wsinfer.sessions import keys
-from wsinfer.sessions.connection import is_outage
+from wsinfer.sessions.connect import is_outage
 from wsinfer.sessions.schema import DeltaEvent, ParamsError
 from wsinfer.sessions.states import IllegalTransition
 from wsinfer.sessions.store import ModeMismatch, SessionNotFound, SessionStore, Started, TurnInput

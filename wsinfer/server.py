@@ -32,8 +32,7 @@ from wsinfer.metrics import Metrics
 from wsinfer.plain_routes import PlainRoutes
 from wsinfer.protocol import ConnectionProtocol
 from wsinfer.sendpath import DeflateLargeFactory, Sender
-from wsinfer.sessions.connect import ready
-from wsinfer.sessions.connection import DEFAULT_POOL_SIZE, async_client
+from wsinfer.sessions.connect import DEFAULT_POOL_SIZE, async_client, ready
 from wsinfer.sessions.schema import DEFAULT_SESSION_TTL_S, ENGINE_FRESH_S
 from wsinfer.sessions.store import SessionStore
 

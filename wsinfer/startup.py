@@ -47,7 +47,7 @@ def require_redis(url: str) -> None:
     from wsinfer.sessions.connect import sync_client  # any URL form: cluster, sentinel
 
     try:
-        client = sync_client(url, socket_connect_timeout=REDIS_CHECK_TIMEOUT_S)
+        client = sync_client(url, connect_timeout_s=REDIS_CHECK_TIMEOUT_S)
         client.ping()
     except (redis.RedisError, OSError, ValueError) as exc:
         raise _redis_error(url, exc) from None

@@ -7,8 +7,7 @@ import asyncio
 
 from tests.cluster import needs_cluster_tools
 from wsinfer.sessions import keys
-from wsinfer.sessions.connect import ready
-from wsinfer.sessions.connection import async_client
+from wsinfer.sessions.connect import async_client, ready
 
 pytestmark = needs_cluster_tools
 

@@ -15,8 +15,7 @@ from structlog.testing import capture_logs
 from tests.cluster import needs_cluster_tools
 from wsinfer.fanin_cluster import ClusterFanIn, _NodeListener
 from wsinfer.sessions import keys
-from wsinfer.sessions.connect import ready
-from wsinfer.sessions.connection import async_client
+from wsinfer.sessions.connect import async_client, ready
 from wsinfer.sessions.schema import DeltaEvent, TurnEvent, encode
 
 pytestmark = needs_cluster_tools

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from wsinfer.sessions import connect
+from wsinfer.sessions import connect, scripting
 
 
 def test_standalone_urls_pass_through() -> None:
@@ -37,7 +37,7 @@ def test_unusable_urls_are_refused(url: str) -> None:
 def test_run_scripts_keeps_order_and_returns_errors(redis_client: redis.Redis) -> None:
     echo = redis_client.register_script("return ARGV[1]")
     boom = redis_client.register_script("return redis.error_reply('boom')")
-    replies = connect.run_scripts(
+    replies = scripting.run_scripts(
         redis_client, [(echo, ["k1"], ["a"]), (boom, ["k2"], []), (echo, ["k3"], ["c"])]
     )
     assert replies[0] == b"a" and replies[2] == b"c"
