@@ -8,10 +8,12 @@ from typing import Any, Literal
 
 import msgpack
 
+from wsinfer.contract import Subprotocol
+
 CodecName = Literal["msgpack", "json"]
 
-JSON_SUBPROTOCOL = "wsinfer.v1.json"
-MSGPACK_SUBPROTOCOL = "wsinfer.v1.msgpack"
+JSON_SUBPROTOCOL = Subprotocol.JSON.value
+MSGPACK_SUBPROTOCOL = Subprotocol.MSGPACK.value
 SUBPROTOCOLS: dict[str, str] = {"json": JSON_SUBPROTOCOL, "msgpack": MSGPACK_SUBPROTOCOL}
 
 

@@ -30,6 +30,7 @@ ENUMS: tuple[type[Enum], ...] = (
     contract.ClientErrorCode,
     contract.FinishReason,
     contract.TurnStatus,
+    contract.Subprotocol,
 )
 
 

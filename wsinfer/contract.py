@@ -1,5 +1,5 @@
 """The wire contract's vocabulary: every message type, error code, finish
-reason, turn status and close code of docs/protocol.md, named once.
+reason, turn status, close code and subprotocol of docs/protocol.md, named once.
 
 A leaf module (standard library only), so that the server, the engine, the
 Python client and the generated browser table all import the same names, and
@@ -11,6 +11,13 @@ from __future__ import annotations
 
 from enum import Enum
 from typing import Literal
+
+
+class Subprotocol(str, Enum):
+    """The WebSocket subprotocols (``Sec-WebSocket-Protocol``): one per encoding."""
+
+    JSON = "wsinfer.v1.json"
+    MSGPACK = "wsinfer.v1.msgpack"
 
 
 class ClientMessageType(str, Enum):

@@ -18,13 +18,14 @@ from wsinfer.contract import (
     ClientMessageType,
     ErrorCode,
     ServerMessageType,
+    Subprotocol,
     TurnStatus,
 )
 from wsinfer.errors import BadRequest, TooLarge
 from wsinfer.sessions.schema import DoneEvent, GenerationParams, ParamsError, Usage
 
-JSON_SUBPROTOCOL = "wsinfer.v1.json"
-MSGPACK_SUBPROTOCOL = "wsinfer.v1.msgpack"
+JSON_SUBPROTOCOL = Subprotocol.JSON.value
+MSGPACK_SUBPROTOCOL = Subprotocol.MSGPACK.value
 SUBPROTOCOLS = (JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL)
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})

@@ -48,6 +48,11 @@ export const TurnStatus = Object.freeze({
   DONE: "done",
 });
 
+export const Subprotocol = Object.freeze({
+  JSON: "wsinfer.v1.json",
+  MSGPACK: "wsinfer.v1.msgpack",
+});
+
 export const CloseCode = Object.freeze({
   SERVICE_RESTART: 1012,
 });

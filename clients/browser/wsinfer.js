@@ -30,13 +30,14 @@ import {
   FinishReason,
   IDEMPOTENCY_KEY_HEX,
   ServerMessageType,
+  Subprotocol,
   TurnStatus,
 } from "./contract.js";
 
 export { ClientErrorCode, ErrorCode };
 
 export const PROTOCOL_VERSION = 1;
-export const SUBPROTOCOL = "wsinfer.v1.json";
+export const SUBPROTOCOL = Subprotocol.JSON;
 
 /** A refusal or failure reported by the server (or the transport). */
 export class WsinferError extends Error {

@@ -32,6 +32,15 @@ def test_server_messages_are_the_docs_table() -> None:
     assert _table_names("Server to client") == _values(contract.ServerMessageType)
 
 
+def test_the_subprotocols_are_the_docs_and_the_servers() -> None:
+    from wsinfer.clients.codec import SUBPROTOCOLS as CLIENT_SUBPROTOCOLS
+    from wsinfer.messages import SUBPROTOCOLS
+
+    named = set(re.findall(r"`(wsinfer\.v\d+\.\w+)`", DOC))
+    assert named == _values(contract.Subprotocol)
+    assert set(SUBPROTOCOLS) == set(CLIENT_SUBPROTOCOLS.values()) == named
+
+
 def test_error_codes_are_the_docs_list() -> None:
     line = next(row for row in DOC.splitlines() if row.startswith("| `error` |"))
     listed = set(re.findall(r"`([a-z_]+)`", line.split("codes:", 1)[1]))
