@@ -36,20 +36,31 @@ def queue_script(pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> No
     pipe.evalsha(script.sha, len(keys), *keys, *args)
 
 
-# (client, script sha) pairs loaded by this process: loading before a script's
-# first pipeline keeps the other commands of that pipeline from running twice.
-_loaded: set[tuple[int, str]] = set()
+# The scripts this process has loaded on a client, kept on the client itself:
+# loading before a script's first pipeline keeps the other commands of that
+# pipeline from running twice. (Keyed by ``id(client)`` in a module set, a new
+# client that reused a collected one's id was taken for loaded: its first
+# pipeline failed NOSCRIPT and ran again, and its XADD wrote a second work item.)
+_LOADED = "_wsinfer_loaded_scripts"
+
+
+def _loaded(client: Any) -> set[str]:
+    shas: set[str] | None = getattr(client, _LOADED, None)
+    if shas is None:
+        shas = set()
+        setattr(client, _LOADED, shas)
+    return shas
 
 
 def _to_load(client: Any, scripts: list[Any]) -> list[Any]:
-    return [s for s in scripts if (id(client), s.sha) not in _loaded]
+    return [s for s in scripts if s.sha not in _loaded(client)]
 
 
 def load_scripts_once(client: redis.Redis, scripts: list[Any]) -> None:
     """Load the scripts this process has not loaded on ``client`` yet."""
     for script in _to_load(client, scripts):
         client.script_load(script.script)
-        _loaded.add((id(client), script.sha))
+        _loaded(client).add(script.sha)
 
 
 def _lacks_script(results: list[Any]) -> bool:
@@ -63,7 +74,7 @@ async def run_pipeline(
     for attempt in range(2):
         for script in _to_load(client, scripts) if attempt == 0 else scripts:
             await client.script_load(script.script)
-            _loaded.add((id(client), script.sha))
+            _loaded(client).add(script.sha)
         pipe = client.pipeline(transaction=False)
         build(pipe)
         results = list(await pipe.execute(raise_on_error=False))

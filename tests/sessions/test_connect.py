@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import redis
+import redis.asyncio as aioredis
 
-from wsinfer.sessions import connect, scripting
+from wsinfer.sessions import connect, keys, scripting
+from wsinfer.sessions.schema import GenerationParams, TurnInput
+from wsinfer.sessions.store import SessionStore
+
+CHAT = TurnInput("chat", [{"role": "user", "content": "hi"}], None, GenerationParams())
 
 
 def test_standalone_urls_pass_through() -> None:
@@ -42,3 +49,27 @@ def test_run_scripts_keeps_order_and_returns_errors(redis_client: redis.Redis) -
     )
     assert replies[0] == b"a" and replies[2] == b"c"
     assert isinstance(replies[1], redis.ResponseError)
+
+
+async def test_a_new_client_is_never_taken_for_one_that_had_loaded_the_scripts(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Loaded scripts were once remembered by ``id(client)``: a new client that
+    reused a closed one's id skipped loading, its first pipeline failed NOSCRIPT
+    and ran again, and the turn got two work items. Clients come and go here, the
+    scripts flushed before each (a Redis restarted without them): CPython soon
+    hands a new client a closed one's id, and every turn still gets one item."""
+    seen: set[int] = set()
+    reused = 0
+    for _ in range(40):
+        redis_client.script_flush()
+        client = aioredis.from_url(redis_url)
+        reused += id(client) in seen
+        seen.add(id(client))
+        before = redis_client.xlen(keys.REQUESTS)
+        await SessionStore(client).create(CHAT)
+        assert redis_client.xlen(keys.REQUESTS) == before + 1
+        await client.aclose()
+        del client
+        gc.collect()
+    assert reused, "no client reused an id: this test would not catch the bug"
