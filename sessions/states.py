@@ -25,13 +25,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-
-class Status(str, Enum):
-    NEW = "new"  # no turn yet: the session does not exist
-    QUEUED = "queued"  # waiting for an engine
-    RUNNING = "running"  # an engine holds it under a lease
-    PAUSED = "paused"  # halted; the engine may keep its KV cache
-    DONE = "done"  # finished: stop, length, cancelled or error
+from wsinfer.contract import TurnStatus
 
 
 class Action(str, Enum):
@@ -47,20 +41,20 @@ class Action(str, Enum):
     RELEASE = "release"  # engine: hand a running turn back to the queue (drain on SIGTERM)
 
 
-TRANSITIONS: dict[tuple[Status, Action], Status] = {
-    (Status.NEW, Action.START): Status.QUEUED,
-    (Status.DONE, Action.START): Status.QUEUED,
-    (Status.QUEUED, Action.CLAIM): Status.RUNNING,
-    (Status.RUNNING, Action.CLAIM): Status.RUNNING,
-    (Status.RUNNING, Action.ENGINE_PAUSE): Status.PAUSED,
-    (Status.RUNNING, Action.FINISH): Status.DONE,
-    (Status.QUEUED, Action.PAUSE): Status.PAUSED,
-    (Status.QUEUED, Action.STOP): Status.DONE,
-    (Status.PAUSED, Action.STOP): Status.DONE,
-    (Status.PAUSED, Action.RESUME): Status.QUEUED,
-    (Status.RUNNING, Action.REQUEST_PAUSE): Status.RUNNING,
-    (Status.RUNNING, Action.REQUEST_STOP): Status.RUNNING,
-    (Status.RUNNING, Action.RELEASE): Status.QUEUED,
+TRANSITIONS: dict[tuple[TurnStatus, Action], TurnStatus] = {
+    (TurnStatus.NEW, Action.START): TurnStatus.QUEUED,
+    (TurnStatus.DONE, Action.START): TurnStatus.QUEUED,
+    (TurnStatus.QUEUED, Action.CLAIM): TurnStatus.RUNNING,
+    (TurnStatus.RUNNING, Action.CLAIM): TurnStatus.RUNNING,
+    (TurnStatus.RUNNING, Action.ENGINE_PAUSE): TurnStatus.PAUSED,
+    (TurnStatus.RUNNING, Action.FINISH): TurnStatus.DONE,
+    (TurnStatus.QUEUED, Action.PAUSE): TurnStatus.PAUSED,
+    (TurnStatus.QUEUED, Action.STOP): TurnStatus.DONE,
+    (TurnStatus.PAUSED, Action.STOP): TurnStatus.DONE,
+    (TurnStatus.PAUSED, Action.RESUME): TurnStatus.QUEUED,
+    (TurnStatus.RUNNING, Action.REQUEST_PAUSE): TurnStatus.RUNNING,
+    (TurnStatus.RUNNING, Action.REQUEST_STOP): TurnStatus.RUNNING,
+    (TurnStatus.RUNNING, Action.RELEASE): TurnStatus.QUEUED,
 }
 
 
@@ -73,15 +67,15 @@ class IllegalTransition(Exception):
         self.current = current
 
 
-def allowed_from(action: Action) -> list[Status]:
+def allowed_from(action: Action) -> list[TurnStatus]:
     return [state for (state, act) in TRANSITIONS if act is action]
 
 
-def target(action: Action) -> Status:
+def target(action: Action) -> TurnStatus:
     targets = {new for (_, act), new in TRANSITIONS.items() if act is action}
     (only,) = targets  # every action leads to exactly one status
     return only
 
 
 def is_unfinished(status: str) -> bool:
-    return status in (Status.QUEUED.value, Status.RUNNING.value, Status.PAUSED.value)
+    return status in (TurnStatus.QUEUED.value, TurnStatus.RUNNING.value, TurnStatus.PAUSED.value)

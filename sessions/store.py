@@ -19,6 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
+from wsinfer.contract import TurnStatus
 from wsinfer.sessions import keys, scripts
 from wsinfer.sessions.connect import is_cluster
 from wsinfer.sessions.schema import (
@@ -37,7 +38,7 @@ from wsinfer.sessions.schema import (
     pack,
 )
 from wsinfer.sessions.scripting import ScriptCall, queue_script, run_pipeline, run_scripts_async
-from wsinfer.sessions.states import Action, IllegalTransition, Status, allowed_from, target
+from wsinfer.sessions.states import Action, IllegalTransition, allowed_from, target
 
 # Attempts at a write whose pre-encoded event an engine's publish outdated
 # meanwhile (``moved``): each retry reads the counters afresh.
@@ -332,7 +333,7 @@ class SessionStore:
         (``resent``): the process that queued one may have died before writing it.
         """
         now = time.time()
-        queued, after = Status.QUEUED.value, max(resend_after_s, 0.0)
+        queued, after = TurnStatus.QUEUED.value, max(resend_after_s, 0.0)
         calls: list[ScriptCall] = [
             (self._touch, keys.session_keys(session, turn), [now, self.ttl_s, turn, queued, after])
             for session, turn in sessions.items()
@@ -441,7 +442,6 @@ __all__ = [
     "SessionStore",
     "QueueState",
     "Started",
-    "Status",
     "TurnInput",
     "hash_token",
 ]

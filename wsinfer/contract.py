@@ -78,8 +78,10 @@ FinishReasonName = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 
 
 class TurnStatus(str, Enum):
-    """A turn's status as clients see it (``new`` never reaches them)."""
+    """A turn's status: the states of ``sessions/states.py``'s table, and what a
+    ``session`` answer and ``status`` fields carry (``new`` never reaches clients)."""
 
+    NEW = "new"  # no turn yet: the session does not exist
     QUEUED = "queued"
     RUNNING = "running"
     PAUSED = "paused"

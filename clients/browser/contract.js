@@ -42,6 +42,7 @@ export const FinishReason = Object.freeze({
 });
 
 export const TurnStatus = Object.freeze({
+  NEW: "new",
   QUEUED: "queued",
   RUNNING: "running",
   PAUSED: "paused",

@@ -27,7 +27,7 @@ from wsinfer.access import (
     request_path,
     shorten,
 )
-from wsinfer.contract import ClientMessageType
+from wsinfer.contract import ClientMessageType, TurnStatus
 from wsinfer.handlers import to_protocol_error
 from wsinfer.http.choices import ManyChoices
 from wsinfer.http.completions import TextCompletion, parse_completion_request
@@ -50,7 +50,6 @@ from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
 from wsinfer.http.responses import loggable
 from wsinfer.http.responses_routes import ResponsesRoutes
 from wsinfer.messages import Resume, SessionCommand
-from wsinfer.sessions.states import Status
 
 if TYPE_CHECKING:
     from wsinfer.server import Frontend
@@ -348,7 +347,7 @@ class HttpApp:
             self.close_peer(peer)
         if outcome is None:  # the engine has not acted on it yet; it will
             return HttpResponse.json(202, {"session": session, "status": f"{action}_requested"})
-        status = Status.PAUSED.value if outcome["type"] == "paused" else Status.DONE.value
+        status = TurnStatus.PAUSED.value if outcome["type"] == "paused" else TurnStatus.DONE.value
         body = _info_body(session, outcome["turn"], status, outcome["seq"])
         if "finish_reason" in outcome:
             body["finish_reason"] = outcome["finish_reason"]
@@ -359,7 +358,7 @@ class HttpApp:
         store = self.frontend.store
         info = await store.info(session, token)
         status = info.status
-        if status == Status.PAUSED.value:
+        if status == TurnStatus.PAUSED.value:
             status = (await store.control(session, token, info.turn, "resume")).status
         return HttpResponse.json(200, _info_body(session, info.turn, status, info.seq))
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from wsinfer.contract import ClientMessageType
+from wsinfer.contract import ClientMessageType, TurnStatus
 from wsinfer.http.connection import HttpRequest, HttpResponse
 from wsinfer.http.openai import (
     SESSION_HEADER,
@@ -37,7 +37,6 @@ from wsinfer.http.responses import (
 )
 from wsinfer.messages import Resume, SessionCommand, done_message
 from wsinfer.sessions.schema import DeltaEvent, DoneEvent, GenerationParams
-from wsinfer.sessions.states import Status
 from wsinfer.sessions.store import SessionInfo, SessionNotFound
 
 if TYPE_CHECKING:
@@ -102,7 +101,7 @@ class ResponsesRoutes:
         """Stop the turn (a finished one stays as it is) and answer the response."""
         rid = ResponseId.parse(response_id)
         info = await self._info(rid)
-        if rid.turn == info.turn and info.status != Status.DONE.value:
+        if rid.turn == info.turn and info.status != TurnStatus.DONE.value:
             stop = SessionCommand(ClientMessageType.STOP, None, rid.session, rid.token)
             peer = self.app.open_peer()
             try:
