@@ -88,11 +88,9 @@ def run_pipeline_sync(
 ) -> list[Any]:
     """``run_pipeline`` for the engine's synchronous client."""
     for attempt in range(2):
-        if attempt == 0:
-            load_scripts_once(client, scripts)
-        else:
-            for script in scripts:
-                client.script_load(script.script)
+        for script in _to_load(client, scripts) if attempt == 0 else scripts:
+            client.script_load(script.script)
+            _loaded(client).add(script.sha)
         pipe = client.pipeline(transaction=False)
         build(pipe)
         results = list(pipe.execute(raise_on_error=False))
@@ -115,12 +113,7 @@ ScriptCall = tuple[Any, Sequence[Any], Sequence[Any]]  # (registered script, key
 def run_scripts(client: redis.Redis, calls: list[ScriptCall]) -> list[Any]:
     """Every call's reply, in order; a failed call's reply is its exception."""
     if not is_cluster(client):
-
-        def build(pipe: Any) -> None:
-            for script, keys, args in calls:
-                queue_script(pipe, script, list(keys), list(args))
-
-        return run_pipeline_sync(client, build, _distinct(calls))
+        return run_pipeline_sync(client, _queue_all(calls), _distinct(calls))
     cluster = cast(redis.cluster.RedisCluster, client)
     by_node: dict[str, list[int]] = {}
     nodes: dict[str, Any] = {}
@@ -135,6 +128,16 @@ def run_scripts(client: redis.Redis, calls: list[ScriptCall]) -> list[Any]:
         if isinstance(reply, redis.RedisError):
             replies[index] = _retry_alone(calls[index])
     return replies
+
+
+def _queue_all(calls: list[ScriptCall]) -> Callable[[Any], None]:
+    """A pipeline builder that queues every call, in order (one Redis)."""
+
+    def build(pipe: Any) -> None:
+        for script, keys, args in calls:
+            queue_script(pipe, script, list(keys), list(args))
+
+    return build
 
 
 def _distinct(calls: list[ScriptCall]) -> list[Any]:
@@ -183,12 +186,7 @@ def _run_on_node(
 async def run_scripts_async(client: aioredis.Redis, calls: list[ScriptCall]) -> list[Any]:
     """``run_scripts`` for asyncio; on a cluster the calls go concurrently, 64 at a time."""
     if not is_cluster(client):
-
-        def build(pipe: Any) -> None:
-            for script, keys, args in calls:
-                queue_script(pipe, script, list(keys), list(args))
-
-        return await run_pipeline(client, build, _distinct(calls))
+        return await run_pipeline(client, _queue_all(calls), _distinct(calls))
     replies: list[Any] = []
     for start in range(0, len(calls), 64):
         chunk = calls[start : start + 64]
