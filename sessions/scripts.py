@@ -6,6 +6,8 @@ one Redis, and one turn per call on a cluster. The legal statuses come in as
 arguments computed from ``states.TRANSITIONS``, and the events come in already
 encoded by ``schema.pack``: the scripts know the meta hash's fields
 (``schema.SessionMeta``) but neither the state table nor the events' format.
+The few statuses and effect codes a script names itself are written ``$NAME``
+and rendered from ``states.py``'s enums (``_render``), so they are declared once.
 
 A session's keys live ``ttl`` seconds (a field of its meta, set when it is
 created) after each write, whichever process writes: the TTL argument a
@@ -26,6 +28,27 @@ event was computed from changed: read the meta again and retry).
 """
 
 from __future__ import annotations
+
+from string import Template
+
+from wsinfer.contract import TurnStatus
+from wsinfer.sessions.states import FLAG_PREFIX, Effect
+
+# What ``$NAME`` stands for in the scripts: $STATUS_DONE, $EFFECT_CANCEL,
+# $FLAG_STOP, ... (Lua itself has no ``$``, so nothing else is touched).
+_NAMES = {
+    **{f"STATUS_{status.name}": status.value for status in TurnStatus},
+    **{f"EFFECT_{effect.name}": effect.value for effect in Effect},
+    **{effect.name: effect.flag for effect in Effect if effect.flag},
+    "FLAG_PREFIX": FLAG_PREFIX,
+}
+
+
+def _render(script: str) -> str:
+    """The script with its ``$NAME``s filled in; an unknown name is a KeyError
+    at import, not a script that compares with a misspelt status."""
+    return Template(script).substitute(_NAMES)
+
 
 # Shared Lua prelude: membership test for the comma-separated status list, the
 # session's TTL, the counters a pre-encoded event depends on, and ending a turn
@@ -66,7 +89,7 @@ end
 # A generate repeated with the key of a turn already started (a client that
 # lost the answer) starts nothing: {'repeat', turn, status} names that turn.
 # Each keyed turn is one meta field, idem:<key hash> = turn, gone with the session.
-START_TURN = (
+START_TURN = _render(
     _PRELUDE
     + """
 local meta = KEYS[1]
@@ -74,12 +97,12 @@ local function repeated()
   if ARGV[10] == '' then return nil end
   local turn = redis.call('HGET', meta, 'idem:' .. ARGV[10])
   if not turn then return nil end
-  local status = 'done'  -- an earlier turn has ended, or the next could not have started
+  local status = '$STATUS_DONE'  -- an earlier turn has ended, or the next could not have started
   if turn == redis.call('HGET', meta, 'turn') then status = redis.call('HGET', meta, 'status') end
   return {'repeat', turn, status}
 end
 local exists = redis.call('EXISTS', meta) == 1
-local status = 'new'
+local status = '$STATUS_NEW'
 if ARGV[2] == '1' then
   if exists then return repeated() or {'illegal', 'exists'} end
   redis.call('HSET', meta, 'token', ARGV[1], 'mode', ARGV[4], 'created', ARGV[6],
@@ -117,8 +140,8 @@ return {'ok'}
 # KEYS: meta, turn_stream, session_wake
 # ARGV: token_hash, turn, ttl, now, counters, paused_event, cancelled_event, n,
 #       then n times (allowed_from, target, effect)
-# effects: control:<value> | done_cancelled | paused | requeue
-CONTROL = (
+# effects: states.Effect's values
+CONTROL = _render(
     _PRELUDE
     + """
 local meta = KEYS[1]
@@ -131,17 +154,17 @@ local seq = redis.call('HGET', meta, 'seq')
 for i = 0, tonumber(ARGV[8]) - 1 do
   local from, to, effect = ARGV[9 + 3 * i], ARGV[10 + 3 * i], ARGV[11 + 3 * i]
   if allowed(status, from) then
-    local writes = effect == 'done_cancelled' or effect == 'paused'
+    local writes = effect == '$EFFECT_CANCEL' or effect == '$EFFECT_PAUSE'
     if writes and counters(meta) ~= ARGV[5] then return {'moved'} end
     redis.call('HSET', meta, 'status', to)
     watched(meta, ARGV[4])
-    if string.sub(effect, 1, 8) == 'control:' then
-      redis.call('HSET', meta, 'control', string.sub(effect, 9))
-    elseif effect == 'done_cancelled' then
+    if string.sub(effect, 1, #'$FLAG_PREFIX') == '$FLAG_PREFIX' then
+      redis.call('HSET', meta, 'control', string.sub(effect, #'$FLAG_PREFIX' + 1))
+    elseif effect == '$EFFECT_CANCEL' then
       cancel(meta, KEYS[2], ARGV[7], to)
-    elseif effect == 'paused' then
+    elseif effect == '$EFFECT_PAUSE' then
       redis.call('XADD', KEYS[2], '*', 'm', ARGV[6])
-    elseif effect == 'requeue' then
+    elseif effect == '$EFFECT_REQUEUE' then
       redis.call('HSET', meta, 'control', '')
     end
     if writes then redis.call('SPUBLISH', KEYS[3], seq) end
@@ -172,7 +195,7 @@ return {'illegal', status, seq}
 # KEYS: meta, then every other key of the session
 # ARGV: now, ttl, followed turn, the queued status, resend_after
 # Returns 0 (the session is gone), 1, or 2 (re-send the turn's work item).
-TOUCH = (
+TOUCH = _render(
     _PRELUDE
     + """
 local meta = KEYS[1]
@@ -203,7 +226,7 @@ return 2
 # live without a write: seen_at moves to now + ttl.
 # KEYS: meta
 # ARGV: token_hash, turn, now, ttl (for a session that has none recorded)
-WATCH_UNTIL = (
+WATCH_UNTIL = _render(
     _PRELUDE
     + """
 local meta = KEYS[1]
@@ -220,7 +243,7 @@ return {'ok'}
 # the previous engine's later publishes.
 # KEYS: meta
 # ARGV: engine_id, turn, now, allowed_from, target
-CLAIM = (
+CLAIM = _render(
     _PRELUDE
     + """
 local meta = KEYS[1]
@@ -266,7 +289,7 @@ return reply
 #       the fields include ``pub``, the engine's publish number for this
 #       claim, for idempotent retries
 # Reply: msgpack, one reply per turn, in order.
-PUBLISH = (
+PUBLISH = _render(
     _PRELUDE
     + """
 local engine_id, fallback_ttl = ARGV[1], tonumber(ARGV[2])
@@ -291,7 +314,7 @@ local function publish(meta, stream, wake, t)
   if t[3] >= 0 and have ~= t[3] then return {'gap', tostring(have)} end
   local final = t[4] ~= ''
   if final and not allowed(m[5], t[4]) then return {'illegal', m[5]} end
-  local stop_pending = final and t[7] ~= '' and control == 'stop' and allowed(t[5], t[6])
+  local stop_pending = final and t[7] ~= '' and control == '$FLAG_STOP' and allowed(t[5], t[6])
   local written = #events
   if stop_pending then written = written - 1 end  -- the paused event gives way to the done
   for i = 1, written do redis.call('XADD', stream, '*', 'm', events[i]) end
@@ -336,7 +359,7 @@ return cmsgpack.pack(replies)
 # key goes now.
 # KEYS: meta, the latest turn's stream, then every other key of the session
 # ARGV: token_hash, linger_s, counters, cancelled_event
-CLOSE = (
+CLOSE = _render(
     _PRELUDE
     + """
 local meta = KEYS[1]
@@ -344,9 +367,9 @@ if redis.call('EXISTS', meta) == 0 or redis.call('HGET', meta, 'token') ~= ARGV[
   return {'not_found'}
 end
 local status = redis.call('HGET', meta, 'status')
-if status and status ~= 'done' then
+if status and status ~= '$STATUS_DONE' then
   if counters(meta) ~= ARGV[3] then return {'moved'} end
-  cancel(meta, KEYS[2], ARGV[4], 'done')
+  cancel(meta, KEYS[2], ARGV[4], '$STATUS_DONE')
 end
 for i = 3, #KEYS do redis.call('DEL', KEYS[i]) end
 redis.call('DEL', meta)
@@ -360,7 +383,7 @@ return {'ok'}
 # token log. Fenced like a publish: a turn taken over meanwhile is not ours.
 # KEYS: meta
 # ARGV: engine_id, epoch, allowed_from, target
-RELEASE = (
+RELEASE = _render(
     _PRELUDE
     + """
 local meta = KEYS[1]

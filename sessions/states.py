@@ -1,4 +1,11 @@
-"""The turn state machine: every legal transition, in one table.
+"""The turn state machine: every legal transition, and every client control
+of a turn, in one place.
+
+``CONTROL`` says, for each client ``stop``/``pause``/``resume`` and each status
+a lookup can find the turn in, what happens: the store applies a transition
+(with an effect), the requester is told the turn is paused again, or nothing
+changes. The frontend's plan (``wsinfer/protocol.py``), the store's candidate
+transitions and the client rows of ``TRANSITIONS`` are all read from it.
 
 A session's status is the status of its latest turn. Redis enforces the table
 atomically: each Lua script in ``scripts.py`` receives the statuses an action
@@ -23,9 +30,10 @@ goes ``paused --stop--> done`` at once, so a stop is never lost.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
-from wsinfer.contract import TurnStatus
+from wsinfer.contract import ClientMessageType, ServerMessageType, TurnStatus
 
 
 class Action(str, Enum):
@@ -41,20 +49,105 @@ class Action(str, Enum):
     RELEASE = "release"  # engine: hand a running turn back to the queue (drain on SIGTERM)
 
 
+class Outcome(Enum):
+    """What a client's ``stop``, ``pause`` or ``resume`` does, given the status
+    its lookup found the turn in."""
+
+    APPLY = "apply"  # the store moves the turn, or flags it for the engine running it
+    REPORT_PAUSED = "report_paused"  # already paused: the requester is told so again
+    NOTHING = "nothing"  # the turn is followed as it is (a done one's ``done`` was sent)
+
+
+# An effect that sets the meta's ``control`` flag for the engine: this, then the flag.
+FLAG_PREFIX = "control:"
+
+
+class Effect(str, Enum):
+    """What the store does to a turn a control applies to: the CONTROL script's
+    effect codes (``scripts.py`` is rendered with these values)."""
+
+    FLAG_STOP = FLAG_PREFIX + "stop"  # running: the engine stops it between two steps
+    FLAG_PAUSE = FLAG_PREFIX + "pause"  # running: the engine pauses it between two steps
+    CANCEL = "done_cancelled"  # not running: ended now, with a cancelled ``done``
+    PAUSE = "paused"  # not yet running: paused before any engine takes it
+    REQUEUE = "requeue"  # paused: queued again (the frontend writes the work item)
+
+    @property
+    def flag(self) -> str:
+        """The meta's ``control`` field this effect sets for the engine ('' for none)."""
+        return self.value.removeprefix(FLAG_PREFIX) if self.value.startswith(FLAG_PREFIX) else ""
+
+
+@dataclass(frozen=True)
+class ControlRule:
+    outcome: Outcome
+    # With APPLY: the store's transition, what it does, and the status it leads to.
+    action: Action | None = None
+    effect: Effect | None = None
+    leads_to: TurnStatus | None = None
+
+
+def _apply(action: Action, effect: Effect, leads_to: TurnStatus) -> ControlRule:
+    return ControlRule(Outcome.APPLY, action, effect, leads_to)
+
+
+_M, _S = ClientMessageType, TurnStatus
+
+# docs/protocol.md, "Messages" and "Clarifications": every client control of a
+# turn, for every status its lookup can find. The frontend's plan reads the
+# outcome; the store tries the APPLY rows' transitions, which are also the
+# client rows of TRANSITIONS below; a test holds the docs' clarifications to it.
+CONTROL: dict[tuple[ClientMessageType, TurnStatus], ControlRule] = {
+    (_M.STOP, _S.QUEUED): _apply(Action.STOP, Effect.CANCEL, _S.DONE),
+    (_M.STOP, _S.RUNNING): _apply(Action.REQUEST_STOP, Effect.FLAG_STOP, _S.RUNNING),
+    (_M.STOP, _S.PAUSED): _apply(Action.STOP, Effect.CANCEL, _S.DONE),
+    (_M.STOP, _S.DONE): ControlRule(Outcome.NOTHING),  # a no-op: it has ended
+    (_M.PAUSE, _S.QUEUED): _apply(Action.PAUSE, Effect.PAUSE, _S.PAUSED),
+    (_M.PAUSE, _S.RUNNING): _apply(Action.REQUEST_PAUSE, Effect.FLAG_PAUSE, _S.RUNNING),
+    (_M.PAUSE, _S.PAUSED): ControlRule(Outcome.REPORT_PAUSED),
+    (_M.PAUSE, _S.DONE): ControlRule(Outcome.NOTHING),
+    (_M.RESUME, _S.QUEUED): ControlRule(Outcome.NOTHING),  # rejoined as it is
+    (_M.RESUME, _S.RUNNING): ControlRule(Outcome.NOTHING),
+    (_M.RESUME, _S.PAUSED): _apply(Action.RESUME, Effect.REQUEUE, _S.QUEUED),
+    (_M.RESUME, _S.DONE): ControlRule(Outcome.NOTHING),  # its history is replayed
+}
+
+# What the requester of each control waits for, as a follower of the turn: a
+# stop ends in the turn's ``done``; a pause in ``paused``, or ``done`` if the
+# turn ended first; a resume is answered ``session`` (then the turn's messages).
+ANSWERS: dict[ClientMessageType, tuple[ServerMessageType, ...]] = {
+    _M.STOP: (ServerMessageType.DONE,),
+    _M.PAUSE: (ServerMessageType.PAUSED, ServerMessageType.DONE),
+    _M.RESUME: (ServerMessageType.SESSION,),
+}
+
+
+def store_candidates(message: ClientMessageType) -> list[tuple[Action, Effect]]:
+    """The transitions the store tries for a control, in the table's order, each
+    once: at most one allows the status the store finds (a test holds them
+    disjoint), whatever the lookup saw."""
+    out: list[tuple[Action, Effect]] = []
+    for (msg, _), rule in CONTROL.items():
+        candidate = (rule.action, rule.effect)
+        if msg is message and rule.action and rule.effect and candidate not in out:
+            out.append((rule.action, rule.effect))
+    return out
+
+
 TRANSITIONS: dict[tuple[TurnStatus, Action], TurnStatus] = {
-    (TurnStatus.NEW, Action.START): TurnStatus.QUEUED,
-    (TurnStatus.DONE, Action.START): TurnStatus.QUEUED,
-    (TurnStatus.QUEUED, Action.CLAIM): TurnStatus.RUNNING,
-    (TurnStatus.RUNNING, Action.CLAIM): TurnStatus.RUNNING,
-    (TurnStatus.RUNNING, Action.ENGINE_PAUSE): TurnStatus.PAUSED,
-    (TurnStatus.RUNNING, Action.FINISH): TurnStatus.DONE,
-    (TurnStatus.QUEUED, Action.PAUSE): TurnStatus.PAUSED,
-    (TurnStatus.QUEUED, Action.STOP): TurnStatus.DONE,
-    (TurnStatus.PAUSED, Action.STOP): TurnStatus.DONE,
-    (TurnStatus.PAUSED, Action.RESUME): TurnStatus.QUEUED,
-    (TurnStatus.RUNNING, Action.REQUEST_PAUSE): TurnStatus.RUNNING,
-    (TurnStatus.RUNNING, Action.REQUEST_STOP): TurnStatus.RUNNING,
-    (TurnStatus.RUNNING, Action.RELEASE): TurnStatus.QUEUED,
+    (_S.NEW, Action.START): _S.QUEUED,
+    (_S.DONE, Action.START): _S.QUEUED,
+    (_S.QUEUED, Action.CLAIM): _S.RUNNING,
+    (_S.RUNNING, Action.CLAIM): _S.RUNNING,
+    (_S.RUNNING, Action.ENGINE_PAUSE): _S.PAUSED,
+    (_S.RUNNING, Action.FINISH): _S.DONE,
+    (_S.RUNNING, Action.RELEASE): _S.QUEUED,
+    # and the clients' controls, from the table above
+    **{
+        (status, rule.action): rule.leads_to
+        for (_, status), rule in CONTROL.items()
+        if rule.action is not None and rule.leads_to is not None
+    },
 }
 
 

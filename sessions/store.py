@@ -19,7 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
-from wsinfer.contract import TurnStatus
+from wsinfer.contract import ClientMessageType, TurnStatus
 from wsinfer.sessions import keys, scripts
 from wsinfer.sessions.connect import is_cluster
 from wsinfer.sessions.schema import (
@@ -38,7 +38,14 @@ from wsinfer.sessions.schema import (
     pack,
 )
 from wsinfer.sessions.scripting import ScriptCall, queue_script, run_pipeline, run_scripts_async
-from wsinfer.sessions.states import Action, IllegalTransition, allowed_from, target
+from wsinfer.sessions.states import (
+    Action,
+    Effect,
+    IllegalTransition,
+    allowed_from,
+    store_candidates,
+    target,
+)
 
 # Attempts at a write whose pre-encoded event an engine's publish outdated
 # meanwhile (``moved``): each retry reads the counters afresh.
@@ -78,8 +85,8 @@ class Started:
 
 @dataclass(frozen=True)
 class ControlResult:
-    effect: str  # what the script did: control:stop, done_cancelled, paused, requeue
-    status: str
+    effect: Effect  # what the script did
+    status: TurnStatus  # the turn's status after it
     seq: int
 
 
@@ -249,9 +256,12 @@ class SessionStore:
             session, meta.turn, meta.status, meta.seq, meta.engine, meta.kv_engine, meta
         )
 
-    async def control(self, session: str, token: str, turn: int, action: str) -> ControlResult:
-        """Apply a client's stop/pause/resume to ``turn`` atomically."""
-        candidates = _CONTROL_CANDIDATES[action]
+    async def control(
+        self, session: str, token: str, turn: int, action: ClientMessageType
+    ) -> ControlResult:
+        """Apply a client's stop/pause/resume to ``turn`` atomically: the first of
+        the table's transitions for it that the turn's status allows."""
+        candidates = store_candidates(ClientMessageType(action))
         script_keys = [
             keys.meta(session),
             keys.turn_stream(session, turn),
@@ -263,7 +273,8 @@ class SessionStore:
             args += [meta.counters(), pack(PausedEvent(meta.seq)), pack(meta.cancelled())]
             args.append(len(candidates))
             for act, effect in candidates:
-                args += [",".join(s.value for s in allowed_from(act)), target(act).value, effect]
+                args += [",".join(s.value for s in allowed_from(act)), target(act).value]
+                args.append(effect.value)
             reply = [as_str(v) for v in await self._control(keys=script_keys, args=args)]
             if reply[0] != "moved":
                 return await self._controlled(session, turn, candidates[0][0], reply)
@@ -278,8 +289,8 @@ class SessionStore:
             raise IllegalTransition(action, "no longer the latest turn")
         if reply[0] == "illegal":
             raise IllegalTransition(action, reply[1])
-        result = ControlResult(effect=reply[1], status=reply[2], seq=int(reply[3]))
-        if result.effect == "requeue":
+        result = ControlResult(Effect(reply[1]), TurnStatus(reply[2]), int(reply[3]))
+        if result.effect is Effect.REQUEUE:
             await self.enqueue(session, turn)
         return result
 
@@ -424,13 +435,6 @@ def _others(session: str, turn: int) -> list[str]:
     skip = {keys.meta(session), keys.turn_input(session, turn)}
     return [k for k in keys.session_keys(session, turn) if k not in skip]
 
-
-# For each client action, the transitions to try in order, with what each does.
-_CONTROL_CANDIDATES: dict[str, list[tuple[Action, str]]] = {
-    "stop": [(Action.REQUEST_STOP, "control:stop"), (Action.STOP, "done_cancelled")],
-    "pause": [(Action.REQUEST_PAUSE, "control:pause"), (Action.PAUSE, "paused")],
-    "resume": [(Action.RESUME, "requeue")],
-}
 
 __all__ = [
     "CLOSE_LINGER_S",

@@ -187,11 +187,11 @@ class Handlers:
     async def _control(self, command: Control) -> Controlled | Refused:
         try:
             result = await self.store.control(
-                command.session, command.token, command.turn, command.action.value
+                command.session, command.token, command.turn, command.action
             )
         except IllegalTransition as exc:
             return Refused(exc.current)
-        return Controlled(TurnStatus(result.status), result.seq)
+        return Controlled(result.status, result.seq)
 
     def _subscribe(self, command: Subscribe) -> None:
         owner = (self.conn.id, command.session)

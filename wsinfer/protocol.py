@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, TypeVar
 
 from wsinfer.commands import (
@@ -74,6 +73,7 @@ from wsinfer.sessions.schema import (
     TurnEvent,
     Usage,
 )
+from wsinfer.sessions.states import CONTROL, Outcome
 
 # However a connection comes to follow a session (generate, resume, stop, pause).
 MAX_FOLLOWED_PER_CONNECTION = 64
@@ -81,28 +81,6 @@ NO_SUCH_SESSION = "no such session (or wrong token)"
 
 Steps = Generator[Command, Event | None, None]
 E = TypeVar("E", bound=Event)
-
-
-class Reaction(Enum):
-    """What a ``stop`` or ``pause`` does, given the status of the turn it names."""
-
-    APPLY = "apply"  # the store moves the turn, or flags it for the engine running it
-    REPORT_PAUSED = "report_paused"  # already paused: a follower is told so again
-    NOTHING = "nothing"  # already done: its ``done`` was (or is being) sent
-
-
-# docs/protocol.md, "Clarifications": stop of a done turn is a no-op, pause of
-# a paused turn answers ``paused`` again. The rest is the store's state table.
-CONTROL_RULES: dict[tuple[ClientMessageType, TurnStatus], Reaction] = {
-    (ClientMessageType.STOP, TurnStatus.QUEUED): Reaction.APPLY,
-    (ClientMessageType.STOP, TurnStatus.RUNNING): Reaction.APPLY,
-    (ClientMessageType.STOP, TurnStatus.PAUSED): Reaction.APPLY,
-    (ClientMessageType.STOP, TurnStatus.DONE): Reaction.NOTHING,
-    (ClientMessageType.PAUSE, TurnStatus.QUEUED): Reaction.APPLY,
-    (ClientMessageType.PAUSE, TurnStatus.RUNNING): Reaction.APPLY,
-    (ClientMessageType.PAUSE, TurnStatus.PAUSED): Reaction.REPORT_PAUSED,
-    (ClientMessageType.PAUSE, TurnStatus.DONE): Reaction.NOTHING,
-}
 
 
 class Plan:
@@ -238,7 +216,7 @@ class ConnectionProtocol:
         """Answer ``session`` with the turn's status and attach: a paused turn
         continues, since whoever rejoins it wants its answer."""
         resumed_at: int | None = None
-        if status is TurnStatus.PAUSED:
+        if CONTROL[(ClientMessageType.RESUME, status)].outcome is Outcome.APPLY:  # paused
             outcome = yield Control(session, token, turn, ClientMessageType.RESUME)
             if isinstance(outcome, Controlled):
                 status, resumed_at = outcome.status, outcome.seq
@@ -254,12 +232,12 @@ class ConnectionProtocol:
         if not following:
             self._check_follow_limit(msg.session)
             yield from self._attach(msg.session, found.turn, after=found.seq)
-        reaction = CONTROL_RULES[(msg.type, found.status)]
-        if reaction is Reaction.APPLY:
+        reaction = CONTROL[(msg.type, found.status)].outcome
+        if reaction is Outcome.APPLY:
             outcome = yield Control(msg.session, msg.token, found.turn, msg.type)
             if isinstance(outcome, Refused):  # the turn moved on since the lookup
                 reaction = _reaction_to_refusal(msg.type, outcome.current)
-        if reaction is Reaction.REPORT_PAUSED and following:  # else the replay said so
+        if reaction is Outcome.REPORT_PAUSED and following:  # else the replay said so
             self.notify_paused(msg.session, found.turn, found.seq)
 
     def _close(self, msg: SessionCommand) -> Steps:
@@ -416,11 +394,12 @@ def _without_resumed_pause(events: list[TurnEvent], resumed_at: int | None) -> l
     return events
 
 
-def _reaction_to_refusal(action: ClientMessageType, current: str) -> Reaction:
+def _reaction_to_refusal(action: ClientMessageType, current: str) -> Outcome:
     """The store refused a stop/pause the lookup allowed: the turn changed in
     between. Paused or done meanwhile reads as for that status; else conflict."""
-    reaction = CONTROL_RULES.get((action, _status_after_refusal(current)), Reaction.APPLY)
-    if reaction is Reaction.APPLY:
+    rule = CONTROL.get((action, _status_after_refusal(current)))
+    reaction = rule.outcome if rule is not None else Outcome.APPLY
+    if reaction is Outcome.APPLY:
         raise Conflict(f"cannot {action.value} a turn that is {current}")
     return reaction
 

@@ -504,7 +504,7 @@ def test_the_scripts_use_only_the_meta_fields_of_the_record() -> None:
     from wsinfer.sessions import scripts
     from wsinfer.sessions.schema import SessionMeta
 
-    lua = "".join(v for k, v in vars(scripts).items() if k.isupper())
+    lua = "".join(v for k, v in vars(scripts).items() if k.isupper() and isinstance(v, str))
     named = set(re.findall(r"'(\w+)'", lua)) - _LUA_WORDS
     assert named <= set(SessionMeta.__dataclass_fields__), named - set(
         SessionMeta.__dataclass_fields__

@@ -359,7 +359,8 @@ class HttpApp:
         info = await store.info(session, token)
         status = info.status
         if status == TurnStatus.PAUSED.value:
-            status = (await store.control(session, token, info.turn, "resume")).status
+            resume = ClientMessageType.RESUME
+            status = (await store.control(session, token, info.turn, resume)).status
         return HttpResponse.json(200, _info_body(session, info.turn, status, info.seq))
 
     # --- peers ------------------------------------------------------------------------
