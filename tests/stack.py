@@ -5,11 +5,13 @@ frontend in the test's own event loop; ``start_serve`` runs the all-in-one
 ``wsinfer serve``. The fixtures in ``tests/conftest.py`` build on these: one
 engine per module where a test does not need its own (starting one imports
 torch and loads a model: seconds), with ``forget_sessions`` between tests.
+``until`` waits for a condition, where a fixed sleep would be slow or flaky.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import signal
@@ -214,6 +216,22 @@ def joined(messages: list[dict[str, Any]], after: int = 0) -> tuple[str, int]:
             text += message["text"]
             seq = message["seq"]
     return text, seq
+
+
+async def until(check: Any, timeout_s: float = 5.0, what: str = "", every_s: float = 0.01) -> None:
+    """Poll ``check`` (awaited when it returns an awaitable) every ``every_s`` until
+    it is true; fail the test, naming ``what`` it waited for, if it is not within
+    ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        assert loop.time() < deadline, f"timed out after {timeout_s} s waiting for {what or check}"
+        await asyncio.sleep(every_s)
 
 
 @dataclass

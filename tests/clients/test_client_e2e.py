@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.stack import start_serve, stop_serve
+from tests.stack import start_serve, stop_serve, until
 from wsinfer.clients import (
     BadRequest,
     Conflict,
@@ -187,7 +187,7 @@ async def test_concurrent_turns_survive_a_cut(server_port: int, proxy: CutProxy)
     expected = [await reference(server_port, p) for p in prompts]
     async with connect(proxy.url, api_key=API_KEY, reconnect=FAST) as client:
         turns = [await client.start(prompt=p, params=GREEDY) for p in prompts]
-        await asyncio.sleep(0.2)
+        await until(lambda: all(t.seq > 0 for t in turns), 60, "every turn's first delta")
         proxy.cut()
         texts = await asyncio.gather(*(t.wait() for t in turns))
     assert texts == expected

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 import wsinfer
+from tests.stack import until
 from wsinfer.clients import (
     BadRequest,
     ClientClosed,
@@ -132,7 +133,7 @@ async def test_gives_up_after_bounded_attempts(fake_server: Any) -> None:
     policy = ReconnectPolicy(max_attempts=3, max_time=2.0, base_delay=0.01, max_delay=0.02)
     async with connect(fake_server.url, reconnect=policy) as client:
         turn = await client.start(prompt="x", params={"max_new_tokens": 500})
-        await asyncio.sleep(0.1)
+        await until(lambda: turn.seq > 0, what="the turn's first delta")
         await fake_server.stop()  # the whole server goes away
         with pytest.raises(ConnectionLost):
             await turn.wait()
@@ -195,7 +196,7 @@ async def test_stop_cancels_the_turn(fake_server: Any) -> None:
     fake_server.delay = 0.02
     async with connect(fake_server.url) as client:
         turn = await client.start(prompt="x", params={"max_new_tokens": 200})
-        await asyncio.sleep(0.1)
+        await until(lambda: turn.seq > 0, what="the turn's first delta")
         assert await turn.stop() == "cancelled"
         assert 0 < turn.seq < 200 and turn.text == words(turn.seq)
         assert await turn.stop() == "cancelled"  # idempotent
@@ -204,7 +205,7 @@ async def test_stop_cancels_the_turn(fake_server: Any) -> None:
 async def test_pause_and_resume(fake_server: Any) -> None:
     async with connect(fake_server.url) as client:
         turn = await client.start(prompt="x", params={"max_new_tokens": 40})
-        await asyncio.sleep(0.03)
+        await until(lambda: turn.seq > 0, what="the turn's first delta")
         seq = await turn.pause()
         assert turn.paused and seq == turn.seq
         await asyncio.sleep(0.05)
@@ -217,7 +218,7 @@ async def test_pause_and_resume(fake_server: Any) -> None:
 async def test_a_paused_turn_is_not_unpaused_by_a_reconnect(fake_server: Any) -> None:
     async with connect(fake_server.url, reconnect=FAST) as client:
         turn = await client.start(prompt="x", params={"max_new_tokens": 40})
-        await asyncio.sleep(0.03)
+        await until(lambda: turn.seq > 0, what="the turn's first delta")
         seq = await turn.pause()
         assert client._ws is not None
         client._ws.transport.abort()
@@ -231,11 +232,11 @@ async def test_a_paused_turn_is_not_unpaused_by_a_reconnect(fake_server: Any) ->
 async def test_stop_of_a_paused_turn_after_a_drop(fake_server: Any) -> None:
     async with connect(fake_server.url, reconnect=FAST) as client:
         turn = await client.start(prompt="x", params={"max_new_tokens": 40})
-        await asyncio.sleep(0.03)
+        await until(lambda: turn.seq > 0, what="the turn's first delta")
         await turn.pause()
         assert client._ws is not None
         client._ws.transport.abort()
-        await asyncio.sleep(0.05)
+        await until(lambda: not client.connected, what="the client to notice the drop")
         assert await turn.stop() == "cancelled"
 
 
@@ -261,7 +262,7 @@ async def test_conversation_keeps_the_session(fake_server: Any) -> None:
         assert chat.last_turn is not None and chat.last_turn.turn == 2
         session = chat.session
         await chat.close()
-        await asyncio.sleep(0.05)
+        await until(lambda: session not in fake_server.sessions, what="the server to close it")
     assert (first, second) == (words(3), words(2))
     generates = sent(fake_server, "generate")
     assert generates[0]["messages"][0] == {"role": "system", "content": "be brief"}
@@ -289,8 +290,7 @@ async def test_close_session_ends_it(fake_server: Any) -> None:
         turn = await client.start(prompt="x", params={"max_new_tokens": 2})
         await turn.wait()
         await client.close_session(turn.session)
-        await asyncio.sleep(0.05)
-        assert turn.session not in fake_server.sessions
+        await until(lambda: turn.session not in fake_server.sessions, what="the server to close it")
         with pytest.raises(NotFound):
             await client.start(prompt="y", session=turn.session, token=turn.token)
         with pytest.raises(ValueError):
@@ -300,7 +300,7 @@ async def test_close_session_ends_it(fake_server: Any) -> None:
 async def test_attach_follows_a_turn_from_another_client(fake_server: Any) -> None:
     async with connect(fake_server.url) as one, connect(fake_server.url) as two:
         turn = await one.start(prompt="x", params={"max_new_tokens": 10})
-        await asyncio.sleep(0.02)
+        await until(lambda: turn.seq > 0, what="the turn's first delta")
         follower = await two.attach(turn.session, turn.token)
         assert await follower.wait() == await turn.wait() == words(10)
         with pytest.raises(NotFound):

@@ -13,6 +13,7 @@ import redis.asyncio.client as aioclient
 from structlog.testing import capture_logs
 
 from tests.cluster import needs_cluster_tools
+from tests.stack import until
 from wsinfer.fanin_cluster import ClusterFanIn, _NodeListener
 from wsinfer.sessions import keys
 from wsinfer.sessions.connect import async_client, ready
@@ -85,8 +86,7 @@ async def test_a_dead_listener_is_reported_and_replaced(fanin: ClusterFanIn) -> 
     fanin.subscribe(stream, "owner", "0-0", got.extend)
     runner = asyncio.create_task(fanin.run())
     try:
-        while not fanin.listeners:
-            await asyncio.sleep(0.01)
+        await until(lambda: fanin.listeners, what="the fan-in to start its listeners")
         ((name, dead),) = fanin.listeners.items()
         with capture_logs() as logs:
             # Its task ends but nobody closed it, as after a crash. (Not by one

@@ -70,7 +70,7 @@ async def test_a_turn_finishes_when_its_only_engine_restarts(
     await client.recv()
     head = [await client.recv() for _ in range(2)]
     first.kill()
-    await asyncio.sleep(0.5)
+    assert await asyncio.to_thread(first.wait, 10) == -9  # gone before its successor starts
     stack.start_engine("engine-a2")
     text, _ = joined(head + await client.until("done", timeout=180))
     await client.close()

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from tests.stack import until
 from wsinfer import fanin as fanin_module
 from wsinfer.fanin import FanIn
 from wsinfer.sessions import keys
@@ -58,13 +59,6 @@ def collector() -> tuple[list[int], Any]:
 
 async def publish(fan: FanIn, stream: str, seq: int) -> None:
     await fan.redis.xadd(stream, encode(DeltaEvent(seq, f"t{seq}")))
-
-
-async def until(check: Any, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_quiet_stream_turns_cold_and_back_hot_without_losing_entries(fanin: FanIn) -> None:

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from tests.stack import Client, Stack, joined, start_frontend
+from tests.stack import Client, Stack, joined, start_frontend, until
 from wsinfer.server import Frontend
 
 KEY = "k1"
@@ -59,7 +59,11 @@ async def test_turns_resumes_and_refusals_are_counted(frontend: Frontend) -> Non
     replay = await again.until("done")
     assert joined(replay, after=2)[1] == 5
     await again.close()
-    await asyncio.sleep(0.5)  # a few touch ticks: Redis round trips sampled
+
+    async def rtt_sampled() -> bool:  # by a touch tick's Redis ping
+        return (await scrape(port)).get(("wsinfer_redis_rtt_seconds_count", ()), 0) >= 1
+
+    await until(rtt_sampled, timeout_s=10, what="a Redis round trip sampled")
     metrics = await scrape(port)
     assert metrics[("wsinfer_turns_started_total", ())] == 1
     assert metrics[("wsinfer_resumes_total", ())] == 1

@@ -8,7 +8,6 @@ at the end."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -16,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.stack import Client, Stack, joined, start_serve, stop_serve
+from tests.stack import Client, Stack, joined, start_serve, stop_serve, until
 from wsinfer.http.openai import OpenAIError
 from wsinfer.http.responses import (
     HEAD,
@@ -98,13 +97,17 @@ def numbers(events: list[Any]) -> list[int]:
 
 
 async def until_ended(sdk: openai.AsyncOpenAI, rid: str, timeout_s: float = 60) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    ended: list[Any] = []
+
+    async def has_ended() -> bool:
         response = await sdk.responses.retrieve(rid)
-        if response.status not in ("queued", "in_progress"):
-            return response
-        time.sleep(0.1)
-    raise TimeoutError(f"the response did not end in {timeout_s} s")
+        if response.status in ("queued", "in_progress"):
+            return False
+        ended.append(response)
+        return True
+
+    await until(has_ended, timeout_s, f"response {rid} to end", every_s=0.1)
+    return ended[0]
 
 
 # --- create, stream, retrieve ---------------------------------------------------------

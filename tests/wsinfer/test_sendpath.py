@@ -9,6 +9,7 @@ from typing import Any
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 
+from tests.stack import until
 from wsinfer.messages import JsonCodec
 from wsinfer.protocol import ConnectionProtocol
 from wsinfer.sendpath import DeflateLargeFactory, Sender
@@ -64,11 +65,13 @@ async def test_a_client_that_does_not_read_is_drained_then_caught_up() -> None:
     async with await serve_one(handler) as server:
         port = server.sockets[0].getsockname()[1]
         async with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as client:
-            await asyncio.sleep(0.5)  # not reading: the server's socket buffer fills
-            last = 0
-            while last < total:
-                last = json.loads(await asyncio.wait_for(client.recv(), 10))["seq"]
-            done.set()
+            try:  # not reading until the server's socket buffer is full
+                await until(lambda: True in behind, what="websockets to pause the server's writes")
+                last = 0
+                while last < total:
+                    last = json.loads(await asyncio.wait_for(client.recv(), 10))["seq"]
+            finally:
+                done.set()  # the handler ends, whatever happened here
     assert last == total
     assert True in behind  # the slow path ran: websockets' flow control paused writing
     assert behind[-1] is False
@@ -97,7 +100,7 @@ async def test_short_messages_go_plain_and_long_ones_deflated() -> None:
 
 async def test_a_slow_client_that_vanishes_leaves_nothing_queued() -> None:
     # Else its connection's reader would wait for the outgoing budget forever.
-    full = asyncio.Event()
+    full, measured = asyncio.Event(), asyncio.Event()
     pending: list[int] = []
 
     async def handler(ws: ServerConnection) -> None:
@@ -116,8 +119,11 @@ async def test_a_slow_client_that_vanishes_leaves_nothing_queued() -> None:
         sender.schedule()
         full.set()
         await ws.wait_closed()
-        await asyncio.sleep(0.1)
+        # The sender's task meets the reset and drops what is queued (bounded:
+        # else what is left is measured below and the test fails on it).
+        await asyncio.wait({task}, timeout=5)
         pending.append(protocol.outbox_bytes + sender.buffered)
+        measured.set()
         task.cancel()
 
     async with await serve_one(handler) as server:
@@ -126,5 +132,5 @@ async def test_a_slow_client_that_vanishes_leaves_nothing_queued() -> None:
         await asyncio.wait_for(full.wait(), 10)
         client.transport.abort()  # unread data: the server's socket gets a reset
         await client.wait_closed()
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(measured.wait(), 10)
     assert pending[-1] == 0
