@@ -59,10 +59,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the process helpers of the test suite and benchmarks
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.bench_fanout import cpu_seconds, rss_bytes, spawn, stop  # noqa: E402
+from benchmarks.bench_fanout import cpu_seconds, rss_bytes  # noqa: E402
 from benchmarks.bench_redis_memory import measure as redis_memory  # noqa: E402
 from tests.cluster import LocalCluster, free_ports  # noqa: E402
-from tests.stack import port_from_banner, wait_for_engine  # noqa: E402
+from tests.stack import Stack  # noqa: E402
 from wsinfer.supervisor import _die_with_parent  # noqa: E402
 
 JSON: Any = ["wsinfer.v1.json"]
@@ -136,23 +136,13 @@ def flush(url: str) -> None:
 @dataclass
 class Service:
     redis: Redis
+    stack: Stack
     engine: subprocess.Popen[bytes]
     frontends: list[tuple[subprocess.Popen[bytes], int]] = field(default_factory=list)
 
     def add_frontends(self, total: int) -> None:
         while len(self.frontends) < total:
-            process = spawn(
-                "-m", "wsinfer", "frontend", "--redis-url", self.redis.url, "--port", "0",
-                "--max-queued-turns", "1000000", "--log-level", "warning",
-            )  # fmt: skip
-            assert process.stdout is not None
-            self.frontends.append(
-                (process, port_from_banner(process.stdout.readline(), "frontend"))
-            )
-
-    def stop_frontends(self) -> None:
-        for process, _ in self.frontends:
-            stop(process)
+            self.frontends.append(self.stack.start_frontend("--max-queued-turns", "1000000"))
 
     def pids(self, frontends: int) -> dict[str, list[int]]:
         return {
@@ -172,22 +162,14 @@ def service(kind: str, args: argparse.Namespace) -> Iterator[tuple[Service, str]
         store = cleanup.enter_context(starter(state))
         memory = memory_line(store, args.memory_sessions)
         flush(store.url)
-        engine = start_engine(store.url, max(args.streams, args.sessions, 16))
-        svc = Service(store, engine)
-        cleanup.callback(stop, engine)
-        cleanup.callback(svc.stop_frontends)
-        yield svc, memory
-
-
-def start_engine(url: str, max_batch: int) -> subprocess.Popen[bytes]:
-    engine_id = f"capacity-{uuid.uuid4().hex[:6]}"
-    engine = spawn(
-        "-m", "wsinfer", "engine", "--redis-url", url, "--model", "fake:inf",
-        "--engine-id", engine_id, "--max-batch-size", str(max_batch),
-        "--log-level", "warning", "--exit-with-parent",
-    )  # fmt: skip
-    wait_for_engine(url, engine_id, engine, timeout_s=120)
-    return engine
+        stack = Stack(store.url, "fake:inf", lease_ms=None, die_with_parent=True)
+        cleanup.callback(stack.stop)
+        engine = stack.start_engine(
+            f"capacity-{uuid.uuid4().hex[:6]}",
+            *("--max-batch-size", str(max(args.streams, args.sessions, 16))),
+            "--exit-with-parent",
+        )
+        yield Service(store, stack, engine), memory
 
 
 def memory_line(store: Redis, sessions: int) -> str:

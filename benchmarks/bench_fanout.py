@@ -66,7 +66,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the shared process helpers of the test suite
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.stack import port_from_banner, wait_for_engine  # noqa: E402
+from tests.stack import Stack  # noqa: E402
 
 JSON: Any = ["wsinfer.v1.json"]
 CONNECT_BATCH = 200  # handshakes in flight at once
@@ -80,6 +80,8 @@ MAX_NEW_TOKENS = 4096  # the protocol's limit for one turn
 
 
 def spawn(*args: str) -> subprocess.Popen[bytes]:
+    """A Python script as a child that dies with this process (the bare relay; the
+    service's processes are ``tests/stack.py``'s)."""
     return subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.PIPE,
@@ -113,20 +115,19 @@ def rss_bytes(pid: int) -> int:
 @dataclass
 class Service:
     redis: EmbeddedRedis
+    stack: Stack
     frontend: subprocess.Popen[bytes]
     port: int
     engine: subprocess.Popen[bytes] | None = None
 
     def start_engine(self, spec: str, max_batch: int) -> None:
         if self.engine is not None:
-            stop(self.engine)
-        engine_id = f"bench-{uuid.uuid4().hex[:6]}"
-        self.engine = spawn(
-            "-m", "wsinfer", "engine", "--redis-url", self.redis.url, "--model", spec,
-            "--engine-id", engine_id, "--max-batch-size", str(max_batch),
-            "--log-level", "warning", "--exit-with-parent",
-        )  # fmt: skip
-        wait_for_engine(self.redis.url, engine_id, self.engine, timeout_s=120)
+            self.stack.stop_one(self.engine)
+        self.stack.model = spec
+        self.engine = self.stack.start_engine(
+            f"bench-{uuid.uuid4().hex[:6]}",
+            *("--max-batch-size", str(max_batch), "--exit-with-parent"),
+        )
 
     def pids(self) -> dict[str, int]:
         assert self.engine is not None and self.redis.process is not None
@@ -145,16 +146,10 @@ def service() -> Iterator[Service]:
         redis = EmbeddedRedis(state)
         cleanup.callback(redis.stop)
         redis.start()
-        frontend = spawn(
-            "-m", "wsinfer", "frontend", "--redis-url", redis.url, "--port", "0",
-            "--max-queued-turns", "1000000", "--log-level", "warning",
-        )  # fmt: skip
-        cleanup.callback(stop, frontend)
-        assert frontend.stdout is not None
-        port = port_from_banner(frontend.stdout.readline(), "frontend")
-        svc = Service(redis, frontend, port)
-        cleanup.callback(lambda: svc.engine is not None and stop(svc.engine))
-        yield svc
+        stack = Stack(redis.url, None, lease_ms=None, die_with_parent=True)
+        cleanup.callback(stack.stop)
+        frontend, port = stack.start_frontend("--max-queued-turns", "1000000")
+        yield Service(redis, stack, frontend, port)
 
 
 @contextlib.contextmanager

@@ -14,15 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -31,31 +26,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the shared process helpers of the test suite
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.stack import port_from_banner  # noqa: E402
+from tests.stack import served  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a long, detailed story about a lighthouse keeper."}]
 
 
-@contextmanager
-def serve(model: str | None) -> Iterator[int]:
-    with tempfile.TemporaryDirectory(prefix="wsinfer-bench-") as state:
-        args = ["--model", model] if model else []
-        process = subprocess.Popen(
-            [sys.executable, "-m", "wsinfer", "serve", "--port", "0", "--log-level", "warning"]
-            + args,
-            stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": state},
-        )
-        try:
-            assert process.stdout is not None
-            yield port_from_banner(process.stdout.readline(), "serve")
-        finally:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+def serve(model: str | None) -> AbstractContextManager[int]:
+    """``wsinfer serve`` of ``model`` (None: the default); its port."""
+    return served(*(["--model", model] if model else []))
 
 
 async def ws_first_delta(ws: ClientConnection, tokens: int) -> tuple[float, float]:

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -38,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the shared process helpers of the test suite
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.stack import port_from_banner  # noqa: E402
+from tests.stack import served  # noqa: E402
 
 PROMPTS = [
     "Write a long story about a dragon who learns to cook.",
@@ -119,15 +117,9 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) 
 
 @contextmanager
 def wsinfer_serve(model: str | None, threads: int, extra: list[str]) -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="wsinfer-bench-") as state:
-        argv = [sys.executable, "-m", "wsinfer", "serve", "--port", "0", "--log-level",
-                "warning", "--threads", str(threads), *extra]  # fmt: skip
-        argv += ["--model", model] if model else []
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": state}
-        with process(argv, stdout=subprocess.PIPE, env=env) as proc:
-            assert proc.stdout is not None
-            port = port_from_banner(proc.stdout.readline().decode(), "serve")
-            yield f"http://127.0.0.1:{port}/v1"
+    args = ["--threads", str(threads), *extra, *(["--model", model] if model else [])]
+    with served(*args) as port:
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 # --- the client ------------------------------------------------------------------------

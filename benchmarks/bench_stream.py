@@ -34,7 +34,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,13 +50,13 @@ from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest
 from wsinfer.engine.model import load_model
 from wsinfer.engine.prompts import render_chat
 from wsinfer.sessions.schema import GenerationParams
-from wsinfer.supervisor import EmbeddedRedis, _die_with_parent
+from wsinfer.supervisor import EmbeddedRedis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the shared process helpers of the test suite
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.stack import port_from_banner, wait_for_engine  # noqa: E402
+from tests.stack import Stack  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a long, detailed story about a lighthouse keeper."}]
 
@@ -97,35 +96,6 @@ def engine_turn(core: EngineCore, prompt: list[int], params: GenerationParams, n
 # --- the service --------------------------------------------------------------------
 
 
-def spawn(*args: str) -> subprocess.Popen[bytes]:
-    """``wsinfer ARGS`` as a child that dies with this process (stderr passes through).
-
-    The child inherits this process's environment, OMP_NUM_THREADS (--threads) included.
-    """
-    return subprocess.Popen(
-        [sys.executable, "-m", "wsinfer", *args, "--log-level", "warning"],
-        stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=_die_with_parent,
-    )
-
-
-def frontend_port(process: subprocess.Popen[bytes]) -> int:
-    assert process.stdout is not None
-    return port_from_banner(process.stdout.readline(), "frontend")
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL after 15 s."""
-    if process.poll() is None:
-        process.terminate()
-    try:
-        process.wait(15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 @contextlib.contextmanager
 def service(model: str | None, max_batch: int) -> Iterator[int]:
     """Redis + engine + frontend; yields the frontend's port, stops everything after.
@@ -138,17 +108,15 @@ def service(model: str | None, max_batch: int) -> Iterator[int]:
         embedded = EmbeddedRedis(state)
         cleanup.callback(embedded.stop)
         embedded.start()
+        # The processes inherit this one's environment, OMP_NUM_THREADS (--threads) too.
+        stack = Stack(embedded.url, model, lease_ms=None, die_with_parent=True)
+        cleanup.callback(stack.stop)
         engine_id = f"bench-{uuid.uuid4().hex[:8]}"
-        model_args = ["--model", model] if model else []
-        engine = spawn(
-            "engine", "--redis-url", embedded.url, "--engine-id", engine_id,
-            "--max-batch-size", str(max_batch), "--exit-with-parent", *model_args,
-        )  # fmt: skip
-        cleanup.callback(stop, engine)
-        frontend = spawn("frontend", "--redis-url", embedded.url, "--port", "0")
-        cleanup.callback(stop, frontend)  # stopped first
-        port = frontend_port(frontend)
-        wait_for_engine(embedded.url, engine_id, engine, timeout_s=300)
+        engine = stack.start_engine(
+            engine_id, "--max-batch-size", str(max_batch), "--exit-with-parent", wait=False
+        )
+        _, port = stack.start_frontend()
+        stack.wait_for_engine(engine_id, engine, timeout_s=300)
         yield port
 
 

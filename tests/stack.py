@@ -11,13 +11,16 @@ torch and loads a model: seconds), with ``forget_sessions`` between tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +30,21 @@ from websockets.asyncio.client import ClientConnection, connect
 from wsinfer.server import Frontend, FrontendConfig
 from wsinfer.sessions import keys
 from wsinfer.sessions.connect import sync_client
+from wsinfer.supervisor import _die_with_parent
 
 
 @dataclass
 class Stack:
+    """Engines and frontends as ``wsinfer`` processes on one Redis, for tests and
+    benchmarks alike."""
+
     redis_url: str
-    model: str
+    model: str | None  # None: the engine's default model
+    # Short, so that a takeover test does not wait long; None: the engine's default.
+    lease_ms: int | None = 2000
+    # The kernel stops the processes if this one dies (a benchmark interrupted).
+    # Off for tests: the signal follows the *thread* that started a process.
+    die_with_parent: bool = False
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
@@ -50,22 +62,26 @@ class Stack:
             ],
             stdout=subprocess.PIPE,
             env=env,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         self.processes.append(process)
         return process
 
     def start_engine(
-        self, engine_id: str, *extra: str, wait: bool = True
+        self, engine_id: str, *extra: str, wait: bool = True, timeout_s: float = 120
     ) -> subprocess.Popen[bytes]:
-        process = self._spawn(
-            "engine", "--model", self.model, "--engine-id", engine_id, "--lease-ms", "2000", *extra
-        )
+        args = ["engine", "--engine-id", engine_id]
+        args += ["--model", self.model] if self.model else []
+        args += ["--lease-ms", str(self.lease_ms)] if self.lease_ms else []
+        process = self._spawn(*args, *extra)
         if wait:
-            self.wait_for_engine(engine_id, process)
+            self.wait_for_engine(engine_id, process, timeout_s)
         return process
 
-    def wait_for_engine(self, engine_id: str, process: subprocess.Popen[bytes]) -> None:
-        wait_for_engine(self.redis_url, engine_id, process)
+    def wait_for_engine(
+        self, engine_id: str, process: subprocess.Popen[bytes], timeout_s: float = 120
+    ) -> None:
+        wait_for_engine(self.redis_url, engine_id, process, timeout_s)
 
     def start_frontend(self, *extra: str, port: int = 0) -> tuple[subprocess.Popen[bytes], int]:
         process = self._spawn("frontend", "--port", str(port), *extra)
@@ -85,11 +101,23 @@ class Stack:
             if process.poll() is None:
                 process.send_signal(signal.SIGINT)
         for process in self.processes:
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            _reap(process)
+
+    def stop_one(self, process: subprocess.Popen[bytes]) -> None:
+        """Stop one of the stack's processes (an engine replaced by another)."""
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+        _reap(process)
+        self.processes.remove(process)
+
+
+def _reap(process: subprocess.Popen[bytes]) -> None:
+    """Wait for a process told to stop; killed if it has not in 15 s."""
+    try:
+        process.wait(15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def forget_sessions(redis_url: str) -> None:
@@ -148,6 +176,18 @@ def stop_serve(process: subprocess.Popen[str], timeout_s: float = 30) -> int:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@contextlib.contextmanager
+def served(*args: str) -> Iterator[int]:
+    """``wsinfer serve ARGS`` with its state in a temporary directory, for a
+    ``with`` block: yields its port, and stops it (then removes the state) after."""
+    with tempfile.TemporaryDirectory(prefix="wsinfer-serve-") as state:
+        process, port = start_serve(Path(state), *args)
+        try:
+            yield port
+        finally:
+            stop_serve(process)
 
 
 def port_from_banner(line: str | bytes, what: str) -> int:
