@@ -411,6 +411,12 @@ async def test_pause_resume_and_stop_routes_drive_an_open_stream(http: httpx.Asy
     for action in ("stop", "pause"):
         again = await http.post(f"/v1/sessions/{session}/{action}", headers=auth)
         assert again.status_code == 200 and again.json()["status"] == "done"
+    # A resume of it answers it as it is, as the WebSocket's does.
+    info = (await http.get(f"/v1/sessions/{session}", headers=auth)).json()
+    again = await http.post(f"/v1/sessions/{session}/resume", headers=auth)
+    assert again.status_code == 200 and again.json() == info
+    wrong = await http.post(f"/v1/sessions/{session}/resume", headers={"X-Wsinfer-Token": "x"})
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "not_found"
     deleted = await http.delete(f"/v1/sessions/{session}", headers=auth)
     assert deleted.json()["deleted"] is True
     gone = await http.get(f"/v1/sessions/{session}", headers=auth)

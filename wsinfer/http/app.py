@@ -50,6 +50,7 @@ from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
 from wsinfer.http.responses import loggable
 from wsinfer.http.responses_routes import ResponsesRoutes
 from wsinfer.messages import Resume, SessionCommand
+from wsinfer.sessions.states import ANSWERS
 
 if TYPE_CHECKING:
     from wsinfer.server import Frontend
@@ -341,7 +342,7 @@ class HttpApp:
             await peer.handlers.handle(command)
             # A stop ends in done; a pause in paused, or done if the turn ended first.
             # (The replay may show an older pause of a turn resumed since: not the answer.)
-            wanted = ("done",) if action == "stop" else ("paused", "done")
+            wanted = tuple(answer.value for answer in ANSWERS[command.type])
             outcome = await peer.outcome(wanted, CONTROL_WAIT_S)
         finally:
             self.close_peer(peer)
@@ -354,14 +355,16 @@ class HttpApp:
         return HttpResponse.json(200, body)
 
     async def _unpause(self, session: str, token: str) -> HttpResponse:
-        """Continue a paused turn without attaching (the GET .../stream attaches)."""
-        store = self.frontend.store
-        info = await store.info(session, token)
-        status = info.status
-        if status == TurnStatus.PAUSED.value:
-            resume = ClientMessageType.RESUME
-            status = (await store.control(session, token, info.turn, resume)).status
-        return HttpResponse.json(200, _info_body(session, info.turn, status, info.seq))
+        """Continue a paused turn as a WebSocket ``resume`` does, through the plan
+        (a turn resumed or stopped meanwhile by another is answered as it is), but
+        without staying attached: ``GET .../stream`` attaches."""
+        peer = self.open_peer()
+        try:
+            await peer.handlers.handle(Resume(None, session, token))
+            answer, seq = peer.rejoined()
+        finally:
+            self.close_peer(peer)
+        return HttpResponse.json(200, _info_body(session, answer["turn"], answer["status"], seq))
 
     # --- peers ------------------------------------------------------------------------
 

@@ -101,6 +101,12 @@ class HttpPeer:
         self._held = [m for m in out if m is not first]
         return first
 
+    def rejoined(self) -> tuple[dict[str, Any], int]:
+        """The ``session`` answer to the resume just handled, and the last seq of its
+        replay (0 for a turn that has sent nothing yet)."""
+        first = self.accepted()
+        return first, max((int(m.get("seq", 0)) for m in self._held), default=0)
+
     def close(self) -> None:
         """Stop following: generation goes on unwatched, as after a WebSocket disconnect."""
         self.frontend.fanin.unsubscribe_all(lambda owner: owner[0] == self.id)  # type: ignore[index]
