@@ -22,7 +22,6 @@ from wsinfer.clients.errors import ClientClosed, ConnectionLost, WsinferError, e
 from wsinfer.contract import (
     IDEMPOTENCY_KEY_HEX,
     ClientMessageType,
-    FinishReasonName,
     ServerMessageType,
     TurnStatus,
 )
@@ -30,7 +29,6 @@ from wsinfer.contract import (
 Message = dict[str, Any]
 # {role, content}; an assistant's may carry tool_calls, a tool's its tool_call_id.
 ChatMessage = Mapping[str, Any]
-FinishReason = FinishReasonName  # declared with the contract's enum
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,6 @@ CLOSE_LINGER_S = 30
 # An engine whose last heartbeat is older than this is not routed to.
 ENGINE_FRESH_S = 5.0
 
-FinishReason = FinishReasonName  # declared with the contract's enum
-
 # Bounds that keep one request from hurting everybody else.
 MAX_NEW_TOKENS_LIMIT = 4096
 MAX_STOP_STRINGS = 8
@@ -411,7 +409,7 @@ class PausedEvent:
 @dataclass(frozen=True)
 class DoneEvent:
     seq: int
-    finish_reason: FinishReason
+    finish_reason: FinishReasonName
     usage: Usage = field(default_factory=Usage)
     error: TurnError | None = None
     kind: Literal["done"] = "done"
