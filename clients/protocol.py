@@ -24,6 +24,7 @@ from wsinfer.contract import (
     ClientMessageType,
     ServerMessageType,
     TurnStatus,
+    Usage,
 )
 
 Message = dict[str, Any]
@@ -31,21 +32,15 @@ Message = dict[str, Any]
 ChatMessage = Mapping[str, Any]
 
 
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    @classmethod
-    def from_wire(cls, raw: Any) -> Usage:
-        if not isinstance(raw, Mapping):
-            return cls()
-        return cls(
-            prompt_tokens=int(raw.get("prompt_tokens") or 0),
-            completion_tokens=int(raw.get("completion_tokens") or 0),
-            cached_tokens=int(raw.get("cached_tokens") or 0),
-        )
+def usage_from_wire(raw: Any) -> Usage:
+    """A ``done``'s ``usage``, absent counts read as 0."""
+    if not isinstance(raw, Mapping):
+        return Usage()
+    return Usage(
+        prompt_tokens=int(raw.get("prompt_tokens") or 0),
+        completion_tokens=int(raw.get("completion_tokens") or 0),
+        cached_tokens=int(raw.get("cached_tokens") or 0),
+    )
 
 
 # --- requests ---------------------------------------------------------------
@@ -104,12 +99,12 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
-class PausedEvent:
+class TurnPaused:
     seq: int
 
 
 @dataclass(frozen=True)
-class DoneEvent:
+class TurnEnded:
     finish_reason: str
     usage: Usage
     error: WsinferError | None
@@ -122,7 +117,7 @@ class StatusEvent:
     status: TurnStatus
 
 
-TurnEvent = TextDelta | PausedEvent | DoneEvent | StatusEvent
+TurnChange = TextDelta | TurnPaused | TurnEnded | StatusEvent
 
 _STATUS_AFTER = {
     ServerMessageType.DELTA.value: TurnStatus.RUNNING,
@@ -200,18 +195,18 @@ class TurnState:
         self.failure = exc
         return True
 
-    def apply(self, msg: Mapping[str, Any]) -> TurnEvent | None:
+    def apply(self, msg: Mapping[str, Any]) -> TurnChange | None:
         """Apply one ``delta``/``paused``/``done``; None when it changes nothing."""
         if self.turn < 0 and "turn" in msg:
             self.turn = int(msg["turn"])  # joined without knowing the turn: adopt it
         if self.done or msg.get("turn", self.turn) != self.turn:
             return None
         kind = msg.get("type")
-        event: TurnEvent | None = None
+        event: TurnChange | None = None
         if kind == ServerMessageType.DELTA.value:
             event = self._apply_delta(msg)
         elif kind == ServerMessageType.PAUSED.value:
-            event = PausedEvent(int(msg.get("seq", self.seq)))
+            event = TurnPaused(int(msg.get("seq", self.seq)))
         elif kind == ServerMessageType.DONE.value:
             event = self._apply_done(msg)
         if event is not None:
@@ -242,15 +237,15 @@ class TurnState:
         self.tool_calls.extend(calls)
         return TextDelta(text, seq, entries, calls)
 
-    def _apply_done(self, msg: Mapping[str, Any]) -> DoneEvent:
+    def _apply_done(self, msg: Mapping[str, Any]) -> TurnEnded:
         self.finish_reason = str(msg.get("finish_reason") or "stop")
-        self.usage = Usage.from_wire(msg.get("usage"))
+        self.usage = usage_from_wire(msg.get("usage"))
         raw_error = msg.get("error")
         if self.finish_reason == "error" or raw_error:
             self.error = error_from_wire(
                 raw_error if isinstance(raw_error, Mapping) else {}, self.session
             )
-        return DoneEvent(self.finish_reason, self.usage, self.error)
+        return TurnEnded(self.finish_reason, self.usage, self.error)
 
 
 # --- the connection-level core ------------------------------------------------
@@ -267,7 +262,7 @@ class Pending:
 
 
 @dataclass(frozen=True)
-class TurnStarted:
+class GenerateAnswered:
     """A ``generate`` was answered: ``turn`` is new here."""
 
     waiter: Any
@@ -275,7 +270,7 @@ class TurnStarted:
 
 
 @dataclass(frozen=True)
-class Refused:
+class RequestFailed:
     """A request failed: the server's ``error`` for it, or the client gave up."""
 
     kind: str
@@ -286,7 +281,7 @@ class Refused:
 @dataclass(frozen=True)
 class TurnUpdated:
     turn: TurnState
-    event: TurnEvent
+    event: TurnChange
 
 
 @dataclass(frozen=True)
@@ -295,7 +290,7 @@ class TurnFailed:
     error: WsinferError
 
 
-Event = TurnStarted | Refused | TurnUpdated | TurnFailed
+ClientEvent = GenerateAnswered | RequestFailed | TurnUpdated | TurnFailed
 
 
 class ClientProtocol:
@@ -324,7 +319,7 @@ class ClientProtocol:
     # --- requests ------------------------------------------------------------
 
     def generate(self, waiter: Any, **request: Any) -> Message:
-        """Start a turn (``generate_request``'s arguments); ``waiter`` gets ``TurnStarted``."""
+        """Start a turn (``generate_request``'s arguments); ``waiter`` gets ``GenerateAnswered``."""
         session = request.get("session")
         if session is not None and request.get("token") is None:
             request["token"] = self.tokens.get(session)
@@ -360,12 +355,12 @@ class ClientProtocol:
         self._register(state)
         return state
 
-    def close_session(self, session: str, token: str | None = None) -> list[Event]:
+    def close_session(self, session: str, token: str | None = None) -> list[ClientEvent]:
         """``close`` a session; a turn of it still running here fails with ``ClientClosed``."""
         token = token or self.tokens.get(session)
         if token is None:
             raise ValueError(f"no token known for session {session!r}; pass token=")
-        events: list[Event] = []
+        events: list[ClientEvent] = []
         turn = self.turns.get(session)
         if turn is not None:
             events += self._fail_turn(turn, ClientClosed(f"session {session} was closed"))
@@ -402,7 +397,7 @@ class ClientProtocol:
         self._deferred = []
         return self.data_to_send()
 
-    def connection_lost(self) -> list[Event]:
+    def connection_lost(self) -> list[ClientEvent]:
         """The connection dropped: keep what a fresh one must repeat."""
         self.connected = False
         self.send_failed(self.data_to_send())
@@ -414,14 +409,14 @@ class ClientProtocol:
             return []
         return self.fail_all(ConnectionLost("the connection dropped and reconnect is off"))
 
-    def fail_all(self, exc: WsinferError, *, everything: bool = False) -> list[Event]:
+    def fail_all(self, exc: WsinferError, *, everything: bool = False) -> list[ClientEvent]:
         """Give up: live turns (all turns with ``everything``) and every waiting request fail."""
-        events: list[Event] = []
+        events: list[ClientEvent] = []
         for turn in list(self.turns.values()):
             if everything or turn.live:
                 events += self._fail_turn(turn, exc)
         for pending in self.pending.values():
-            events.append(Refused(pending.kind, pending.waiter, exc))
+            events.append(RequestFailed(pending.kind, pending.waiter, exc))
         self.pending.clear()
         if everything:
             self._deferred.clear()
@@ -429,7 +424,7 @@ class ClientProtocol:
 
     # --- receiving -------------------------------------------------------------------
 
-    def receive(self, msg: Mapping[str, Any]) -> list[Event]:
+    def receive(self, msg: Mapping[str, Any]) -> list[ClientEvent]:
         """One decoded server message in, the events it causes out."""
         kind = msg.get("type")
         if kind in _STATUS_AFTER:
@@ -440,7 +435,7 @@ class ClientProtocol:
             return self._on_error(msg)
         return []
 
-    def _on_turn_event(self, msg: Mapping[str, Any]) -> list[Event]:
+    def _on_turn_event(self, msg: Mapping[str, Any]) -> list[ClientEvent]:
         turn = self.turns.get(str(msg.get("session")))
         if turn is None or self._restarting(turn):
             return []
@@ -449,7 +444,7 @@ class ClientProtocol:
             self._forget(turn)
         return [] if event is None else [TurnUpdated(turn, event)]
 
-    def _on_session(self, msg: Mapping[str, Any]) -> list[Event]:
+    def _on_session(self, msg: Mapping[str, Any]) -> list[ClientEvent]:
         pending = self.pending.pop(msg.get("id"), None)  # type: ignore[arg-type]
         if pending is None:
             return []
@@ -459,9 +454,9 @@ class ClientProtocol:
         turn.apply_status(msg.get("status"))
         turn.following = True  # the server attaches the connection that generated
         self._register(turn)
-        return [TurnStarted(pending.waiter, turn)]
+        return [GenerateAnswered(pending.waiter, turn)]
 
-    def _on_status(self, pending: Pending, msg: Mapping[str, Any]) -> list[Event]:
+    def _on_status(self, pending: Pending, msg: Mapping[str, Any]) -> list[ClientEvent]:
         turn = pending.turn
         if turn is None:
             return []
@@ -470,13 +465,13 @@ class ClientProtocol:
         event = turn.apply_status(msg.get("status"))
         return [] if event is None else [TurnUpdated(turn, event)]
 
-    def _on_error(self, msg: Mapping[str, Any]) -> list[Event]:
+    def _on_error(self, msg: Mapping[str, Any]) -> list[ClientEvent]:
         exc = error_from_wire(msg)
         if "id" in msg:
             pending = self.pending.pop(msg["id"], None)
             if pending is None:
                 return []
-            events: list[Event] = [Refused(pending.kind, pending.waiter, exc)]
+            events: list[ClientEvent] = [RequestFailed(pending.kind, pending.waiter, exc)]
             # A refused resume leaves the turn unreachable; a refused stop or
             # pause is its caller's problem only.
             if pending.kind == ClientMessageType.RESUME.value and pending.turn is not None:
@@ -519,7 +514,7 @@ class ClientProtocol:
         if pause in turn.requested and stop not in turn.requested:
             self._control(turn, pause, turn.requested[pause])
 
-    def _fail_turn(self, turn: TurnState, exc: WsinferError) -> list[Event]:
+    def _fail_turn(self, turn: TurnState, exc: WsinferError) -> list[ClientEvent]:
         failed = turn.fail(exc)
         self._forget(turn)
         return [TurnFailed(turn, exc)] if failed else []

@@ -18,7 +18,7 @@ import msgpack
 
 from wsinfer import response_format
 from wsinfer import tools as tool_calling
-from wsinfer.contract import ErrorCode, FinishReasonName
+from wsinfer.contract import ErrorCode, FinishReasonName, Usage
 from wsinfer.sessions import keys
 
 # Settings every process that writes session keys shares. A session records
@@ -251,13 +251,6 @@ _PARAM_CHECKS: dict[str, Any] = {
     "tool_choice": _as_params_error(_tool_choice),
     "parallel_tool_calls": _flag("parallel_tool_calls"),
 }
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

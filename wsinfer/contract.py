@@ -9,6 +9,7 @@ here and in the doc.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
@@ -75,6 +76,16 @@ class FinishReason(str, Enum):
 # the Python client's state): a misspelt reason is a type error. A test holds the
 # two to the same values; nowhere else declares them.
 FinishReasonName = Literal["stop", "length", "cancelled", "error", "tool_calls"]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A turn's token counts: a ``done``'s ``usage``, as the engine records it
+    in the turn record and as the clients read it (one type on both sides)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class TurnStatus(str, Enum):

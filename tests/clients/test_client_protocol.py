@@ -20,11 +20,11 @@ from wsinfer.clients.codec import (
 )
 from wsinfer.clients.protocol import (
     ClientProtocol,
-    DoneEvent,
-    Refused,
+    GenerateAnswered,
+    RequestFailed,
     TextDelta,
+    TurnEnded,
     TurnFailed,
-    TurnStarted,
     TurnState,
     control_request,
     generate_request,
@@ -56,7 +56,7 @@ def test_other_turns_and_late_messages_are_ignored() -> None:
     state.apply(delta(1, "x", turn=2))
     done = {"type": "done", "turn": 2, "seq": 1, "finish_reason": "length", "usage": {}}
     event = state.apply(done)
-    assert isinstance(event, DoneEvent) and event.error is None
+    assert isinstance(event, TurnEnded) and event.error is None
     assert state.apply(delta(2, "late", turn=2)) is None
     assert state.apply({**done, "finish_reason": "stop"}) is None
     assert (state.text, state.finish_reason) == ("x", "length")
@@ -180,7 +180,7 @@ def test_backoff_grows_with_jitter_and_is_capped() -> None:
 def _started(core: ClientProtocol, msg: dict[str, Any], status: str = "running") -> TurnState:
     answer = {"type": "session", "id": msg["id"], "session": "s1", "token": "k", "turn": 1}
     [event] = core.receive({**answer, "status": status})
-    assert isinstance(event, TurnStarted) and event.waiter == "caller"
+    assert isinstance(event, GenerateAnswered) and event.waiter == "caller"
     return event.turn
 
 
@@ -210,7 +210,7 @@ def test_without_reconnect_a_drop_fails_what_waits() -> None:
     core.connection_made()
     core.generate("caller", prompt="hi")
     [refused] = core.connection_lost()
-    assert isinstance(refused, Refused) and refused.waiter == "caller"
+    assert isinstance(refused, RequestFailed) and refused.waiter == "caller"
     assert isinstance(refused.error, errors.ConnectionLost)
     assert refused.error.code == "connection_lost"
 
@@ -257,7 +257,7 @@ def test_a_refused_resume_fails_the_turn() -> None:
     core.resume(turn, "ack")
     [resume] = core.data_to_send()
     events = core.receive({"type": "error", "id": resume["id"], "code": "not_found"})
-    assert [type(e) for e in events] == [Refused, TurnFailed]
+    assert [type(e) for e in events] == [RequestFailed, TurnFailed]
     assert turn.finished and "s9" not in core.turns
 
 
