@@ -18,7 +18,7 @@ import msgpack
 
 from wsinfer import response_format
 from wsinfer import tools as tool_calling
-from wsinfer.contract import ErrorCode, FinishReasonName, Usage
+from wsinfer.contract import ErrorCode, ErrorFields, FinishReasonName, Usage
 from wsinfer.sessions import keys
 
 # Settings every process that writes session keys shares. A session records
@@ -351,7 +351,7 @@ class TurnError:
     code: ErrorCode
     message: str
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> ErrorFields:
         return {"code": self.code.value, "message": self.message}
 
 

@@ -341,15 +341,14 @@ class HttpApp:
             await peer.handlers.handle(command)
             # A stop ends in done; a pause in paused, or done if the turn ended first.
             # (The replay may show an older pause of a turn resumed since: not the answer.)
-            wanted = ("done",) if action == "stop" else ("paused", "done")
-            outcome = await peer.outcome(wanted, CONTROL_WAIT_S)
+            outcome = await peer.outcome(CONTROL_WAIT_S, paused=action != "stop")
         finally:
             self.close_peer(peer)
         if outcome is None:  # the engine has not acted on it yet; it will
             return HttpResponse.json(202, {"session": session, "status": f"{action}_requested"})
         status = TurnStatus.PAUSED.value if outcome["type"] == "paused" else TurnStatus.DONE.value
         body = _info_body(session, outcome["turn"], status, outcome["seq"])
-        if "finish_reason" in outcome:
+        if outcome["type"] == "done":
             body["finish_reason"] = outcome["finish_reason"]
         return HttpResponse.json(200, body)
 
