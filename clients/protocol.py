@@ -6,8 +6,10 @@ events by ``session``, and what a fresh connection must carry after a drop
 (unanswered generates again, with the same idempotency key; stop, resume and
 pause of live turns). Nothing here awaits or touches a socket: the asyncio
 client feeds it messages and connection changes and sends what it returns,
-so the whole policy is testable with plain dicts. The browser client
-(browser/wsinfer.js) follows the same rules.
+so the whole policy is testable with plain dicts. What the server sends is
+checked once, on the way in (``parse_server_message``), against the contract's
+typed maps; past that, the core reads fields without converting or guessing.
+The browser client (browser/wsinfer.js) follows the same rules.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ from wsinfer.clients.errors import ClientClosed, ConnectionLost, WsinferError, e
 from wsinfer.contract import (
     IDEMPOTENCY_KEY_HEX,
     ClientMessageType,
+    DeltaMessage,
+    DoneMessage,
+    ErrorMessage,
+    ServerMessage,
     ServerMessageType,
+    SessionMessage,
+    TurnMessage,
     TurnStatus,
     Usage,
 )
@@ -41,6 +49,57 @@ def usage_from_wire(raw: Any) -> Usage:
         completion_tokens=int(raw.get("completion_tokens") or 0),
         cached_tokens=int(raw.get("cached_tokens") or 0),
     )
+
+
+# --- server messages, checked at the edge -------------------------------------
+
+# The fields the client reads, by message type, and the types they must have
+# (docs/protocol.md). Optional ones are checked only when present; a session's
+# ``status`` is not checked at all: a client may ignore it (``apply_status``
+# drops one it does not know).
+_REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
+    ServerMessageType.SESSION.value: {"session": str, "token": str, "turn": int},
+    ServerMessageType.DELTA.value: {"session": str, "turn": int, "seq": int, "text": str},
+    ServerMessageType.PAUSED.value: {"session": str, "turn": int, "seq": int},
+    ServerMessageType.DONE.value: {
+        "session": str,
+        "turn": int,
+        "seq": int,
+        "finish_reason": str,
+        "usage": Mapping,
+    },
+    ServerMessageType.ERROR.value: {},
+}
+_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "id": (str, int),
+    "logprobs": list,
+    "tool_calls": list,
+    "error": Mapping,
+    "code": str,
+    "message": str,
+}
+
+
+def parse_server_message(data: Mapping[str, Any]) -> ServerMessage | None:
+    """One decoded server message, checked once: the fields the client reads have
+    their documented types (``ValueError`` if not), so nothing past this converts
+    or guesses. None for a type this client does not know (a newer server's): it
+    is ignored."""
+    kind = data.get("type")
+    required = _REQUIRED.get(kind) if isinstance(kind, str) else None
+    if required is None:
+        return None
+    for name, expected in required.items():
+        if not _is_a(data.get(name), expected):
+            raise ValueError(f"{kind} message without a valid {name!r}")
+    for name, expected in _OPTIONAL.items():
+        if name in data and not _is_a(data[name], expected):
+            raise ValueError(f"{kind} message with an invalid {name!r}")
+    return data  # type: ignore[return-value]  # checked above against the contract
+
+
+def _is_a(value: Any, expected: type | tuple[type, ...]) -> bool:
+    return isinstance(value, expected) and not isinstance(value, bool)
 
 
 # --- requests ---------------------------------------------------------------
@@ -195,22 +254,21 @@ class TurnState:
         self.failure = exc
         return True
 
-    def apply(self, msg: Mapping[str, Any]) -> TurnChange | None:
+    def apply(self, msg: TurnMessage) -> TurnChange | None:
         """Apply one ``delta``/``paused``/``done``; None when it changes nothing."""
-        if self.turn < 0 and "turn" in msg:
-            self.turn = int(msg["turn"])  # joined without knowing the turn: adopt it
-        if self.done or msg.get("turn", self.turn) != self.turn:
+        if self.turn < 0:
+            self.turn = msg["turn"]  # joined without knowing the turn: adopt it
+        if self.done or msg["turn"] != self.turn:
             return None
-        kind = msg.get("type")
         event: TurnChange | None = None
-        if kind == ServerMessageType.DELTA.value:
+        if msg["type"] == ServerMessageType.DELTA.value:
             event = self._apply_delta(msg)
-        elif kind == ServerMessageType.PAUSED.value:
-            event = TurnPaused(int(msg.get("seq", self.seq)))
-        elif kind == ServerMessageType.DONE.value:
+        elif msg["type"] == ServerMessageType.PAUSED.value:
+            event = TurnPaused(msg["seq"])
+        elif msg["type"] == ServerMessageType.DONE.value:
             event = self._apply_done(msg)
         if event is not None:
-            self.status = _STATUS_AFTER[str(kind)]
+            self.status = _STATUS_AFTER[msg["type"]]
         return event
 
     def apply_status(self, raw: Any) -> StatusEvent | None:
@@ -224,12 +282,11 @@ class TurnState:
         self.status = status
         return StatusEvent(status)
 
-    def _apply_delta(self, msg: Mapping[str, Any]) -> TextDelta | None:
-        seq = int(msg["seq"])
+    def _apply_delta(self, msg: DeltaMessage) -> TextDelta | None:
+        seq, text = msg["seq"], msg["text"]
         if seq <= self.seq:
             return None
         self.seq = seq
-        text = str(msg.get("text") or "")
         self.parts.append(text)
         entries = tuple(msg.get("logprobs") or ())
         self.logprobs.extend(entries)
@@ -237,14 +294,12 @@ class TurnState:
         self.tool_calls.extend(calls)
         return TextDelta(text, seq, entries, calls)
 
-    def _apply_done(self, msg: Mapping[str, Any]) -> TurnEnded:
-        self.finish_reason = str(msg.get("finish_reason") or "stop")
-        self.usage = usage_from_wire(msg.get("usage"))
+    def _apply_done(self, msg: DoneMessage) -> TurnEnded:
+        self.finish_reason = msg["finish_reason"] or "stop"
+        self.usage = usage_from_wire(msg["usage"])
         raw_error = msg.get("error")
         if self.finish_reason == "error" or raw_error:
-            self.error = error_from_wire(
-                raw_error if isinstance(raw_error, Mapping) else {}, self.session
-            )
+            self.error = error_from_wire(raw_error or {}, self.session)
         return TurnEnded(self.finish_reason, self.usage, self.error)
 
 
@@ -424,19 +479,20 @@ class ClientProtocol:
 
     # --- receiving -------------------------------------------------------------------
 
-    def receive(self, msg: Mapping[str, Any]) -> list[ClientEvent]:
-        """One decoded server message in, the events it causes out."""
-        kind = msg.get("type")
-        if kind in _STATUS_AFTER:
-            return self._on_turn_event(msg)
-        if kind == ServerMessageType.SESSION.value:
+    def receive(self, data: Mapping[str, Any]) -> list[ClientEvent]:
+        """One decoded server message in, the events it causes out; ``ValueError``
+        for a malformed one (``parse_server_message``), which changes nothing."""
+        msg = parse_server_message(data)
+        if msg is None:
+            return []
+        if msg["type"] == ServerMessageType.SESSION.value:
             return self._on_session(msg)
-        if kind == ServerMessageType.ERROR.value:
+        if msg["type"] == ServerMessageType.ERROR.value:
             return self._on_error(msg)
-        return []
+        return self._on_turn_event(msg)
 
-    def _on_turn_event(self, msg: Mapping[str, Any]) -> list[ClientEvent]:
-        turn = self.turns.get(str(msg.get("session")))
+    def _on_turn_event(self, msg: TurnMessage) -> list[ClientEvent]:
+        turn = self.turns.get(msg["session"])
         if turn is None or self._restarting(turn):
             return []
         event = turn.apply(msg)
@@ -444,31 +500,31 @@ class ClientProtocol:
             self._forget(turn)
         return [] if event is None else [TurnUpdated(turn, event)]
 
-    def _on_session(self, msg: Mapping[str, Any]) -> list[ClientEvent]:
+    def _on_session(self, msg: SessionMessage) -> list[ClientEvent]:
         pending = self.pending.pop(msg.get("id"), None)  # type: ignore[arg-type]
         if pending is None:
             return []
         if pending.kind != ClientMessageType.GENERATE.value:
             return self._on_status(pending, msg)  # a resume answered with the turn's status
-        turn = TurnState(str(msg["session"]), str(msg["token"]), int(msg["turn"]))
+        turn = TurnState(msg["session"], msg["token"], msg["turn"])
         turn.apply_status(msg.get("status"))
         turn.following = True  # the server attaches the connection that generated
         self._register(turn)
         return [GenerateAnswered(pending.waiter, turn)]
 
-    def _on_status(self, pending: Pending, msg: Mapping[str, Any]) -> list[ClientEvent]:
+    def _on_status(self, pending: Pending, msg: SessionMessage) -> list[ClientEvent]:
         turn = pending.turn
         if turn is None:
             return []
-        if turn.turn < 0 and "turn" in msg:
-            turn.turn = int(msg["turn"])  # joined without knowing the turn: adopt it
+        if turn.turn < 0:
+            turn.turn = msg["turn"]  # joined without knowing the turn: adopt it
         event = turn.apply_status(msg.get("status"))
         return [] if event is None else [TurnUpdated(turn, event)]
 
-    def _on_error(self, msg: Mapping[str, Any]) -> list[ClientEvent]:
+    def _on_error(self, msg: ErrorMessage) -> list[ClientEvent]:
         exc = error_from_wire(msg)
         if "id" in msg:
-            pending = self.pending.pop(msg["id"], None)
+            pending = self.pending.pop(msg["id"], None)  # type: ignore[arg-type]
             if pending is None:
                 return []
             events: list[ClientEvent] = [RequestFailed(pending.kind, pending.waiter, exc)]

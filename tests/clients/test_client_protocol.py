@@ -28,6 +28,7 @@ from wsinfer.clients.protocol import (
     TurnState,
     control_request,
     generate_request,
+    parse_server_message,
 )
 from wsinfer.contract import TurnStatus
 
@@ -267,3 +268,43 @@ def test_close_is_kept_until_it_can_be_sent() -> None:
     core.close_session("s1")
     assert core.wants_connection()
     assert core.connection_made() == [{"type": "close", "session": "s1", "token": "k"}]
+
+
+def test_every_message_the_server_builds_passes_the_clients_check() -> None:
+    from wsinfer import messages
+    from wsinfer.contract import ErrorCode
+    from wsinfer.sessions.schema import DoneEvent, TurnError, Usage
+
+    failed = DoneEvent(3, "error", Usage(1, 3), TurnError(ErrorCode.INTERNAL, "m"))
+    built = [
+        messages.session_message("s", "k", 1, TurnStatus.QUEUED, 7),
+        messages.delta_message("s", 1, 2, "ab", [{"token": "a"}], [{"index": 0}]),
+        messages.paused_message("s", 1, 2),
+        messages.done_message("s", 1, failed),
+        messages.error_message(ErrorCode.OVERLOADED, "m", msg_id="x", retry_after=1.5),
+    ]
+    for message in built:
+        assert parse_server_message(message) is message
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"type": "delta", "session": "s", "turn": 1, "seq": "2", "text": "a"},
+        {"type": "delta", "session": "s", "seq": 2, "text": "a"},
+        {"type": "paused", "session": "s", "turn": True, "seq": 2},
+        {"type": "done", "session": "s", "turn": 1, "seq": 2, "finish_reason": "stop"},
+        {"type": "session", "id": 1, "session": "s", "turn": 1},
+        {"type": "error", "id": 1.5, "code": "internal", "message": "m"},
+    ],
+)
+def test_a_malformed_server_message_is_refused_at_the_edge(message: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        parse_server_message(message)
+    with pytest.raises(ValueError):
+        ClientProtocol().receive(message)
+
+
+def test_a_message_type_this_client_does_not_know_is_ignored() -> None:
+    assert parse_server_message({"type": "hint", "text": "?"}) is None
+    assert ClientProtocol().receive({"type": "hint"}) == []
