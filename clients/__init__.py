@@ -27,8 +27,8 @@ from wsinfer.clients.errors import (
     Unauthorized,
     WsinferError,
 )
-from wsinfer.clients.protocol import Usage
 from wsinfer.clients.turn import Conversation, Turn
+from wsinfer.contract import Usage
 
 __all__ = [
     "BadRequest",

@@ -41,11 +41,11 @@ from wsinfer.clients.codec import (
 from wsinfer.clients.errors import ClientClosed, ConnectionLost, Unauthorized, WsinferError
 from wsinfer.clients.protocol import (
     ChatMessage,
+    ClientEvent,
     ClientProtocol,
-    Event,
+    GenerateAnswered,
     Message,
-    Refused,
-    TurnStarted,
+    RequestFailed,
 )
 from wsinfer.clients.turn import Conversation, Turn, new_ack
 from wsinfer.contract import ClientMessageType
@@ -410,17 +410,17 @@ class Client:
             return
         self._handle(events)
 
-    def _handle(self, events: list[Event]) -> None:
+    def _handle(self, events: list[ClientEvent]) -> None:
         """Carry out what the core decided: settle waiters, wake turns."""
         for event in events:
-            if isinstance(event, TurnStarted):
+            if isinstance(event, GenerateAnswered):
                 self._on_started(event)
-            elif isinstance(event, Refused):
+            elif isinstance(event, RequestFailed):
                 _settle(event.waiter, event.error)
             elif event.turn.handle is not None:
                 event.turn.handle.changed()
 
-    def _on_started(self, event: TurnStarted) -> None:
+    def _on_started(self, event: GenerateAnswered) -> None:
         turn = Turn(self, event.turn)
         if event.waiter.done():
             turn.stop_soon()  # its caller gave up waiting: do not leave it generating

@@ -6,8 +6,10 @@ events by ``session``, and what a fresh connection must carry after a drop
 (unanswered generates again, with the same idempotency key; stop, resume and
 pause of live turns). Nothing here awaits or touches a socket: the asyncio
 client feeds it messages and connection changes and sends what it returns,
-so the whole policy is testable with plain dicts. The browser client
-(browser/wsinfer.js) follows the same rules.
+so the whole policy is testable with plain dicts. What the server sends is
+checked once, on the way in (``parse_server_message``), against the contract's
+typed maps; past that, the core reads fields without converting or guessing.
+The browser client (browser/wsinfer.js) follows the same rules.
 """
 
 from __future__ import annotations
@@ -22,32 +24,82 @@ from wsinfer.clients.errors import ClientClosed, ConnectionLost, WsinferError, e
 from wsinfer.contract import (
     IDEMPOTENCY_KEY_HEX,
     ClientMessageType,
-    FinishReasonName,
+    DeltaMessage,
+    DoneMessage,
+    ErrorMessage,
+    ServerMessage,
     ServerMessageType,
+    SessionMessage,
+    TurnMessage,
     TurnStatus,
+    Usage,
 )
 
 Message = dict[str, Any]
 # {role, content}; an assistant's may carry tool_calls, a tool's its tool_call_id.
 ChatMessage = Mapping[str, Any]
-FinishReason = FinishReasonName  # declared with the contract's enum
 
 
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
+def usage_from_wire(raw: Any) -> Usage:
+    """A ``done``'s ``usage``, absent counts read as 0."""
+    if not isinstance(raw, Mapping):
+        return Usage()
+    return Usage(
+        prompt_tokens=int(raw.get("prompt_tokens") or 0),
+        completion_tokens=int(raw.get("completion_tokens") or 0),
+        cached_tokens=int(raw.get("cached_tokens") or 0),
+    )
 
-    @classmethod
-    def from_wire(cls, raw: Any) -> Usage:
-        if not isinstance(raw, Mapping):
-            return cls()
-        return cls(
-            prompt_tokens=int(raw.get("prompt_tokens") or 0),
-            completion_tokens=int(raw.get("completion_tokens") or 0),
-            cached_tokens=int(raw.get("cached_tokens") or 0),
-        )
+
+# --- server messages, checked at the edge -------------------------------------
+
+# The fields the client reads, by message type, and the types they must have
+# (docs/protocol.md). Optional ones are checked only when present; a session's
+# ``status`` is not checked at all: a client may ignore it (``apply_status``
+# drops one it does not know).
+_REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
+    ServerMessageType.SESSION.value: {"session": str, "token": str, "turn": int},
+    ServerMessageType.DELTA.value: {"session": str, "turn": int, "seq": int, "text": str},
+    ServerMessageType.PAUSED.value: {"session": str, "turn": int, "seq": int},
+    ServerMessageType.DONE.value: {
+        "session": str,
+        "turn": int,
+        "seq": int,
+        "finish_reason": str,
+        "usage": Mapping,
+    },
+    ServerMessageType.ERROR.value: {},
+}
+_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "id": (str, int),
+    "logprobs": list,
+    "tool_calls": list,
+    "error": Mapping,
+    "code": str,
+    "message": str,
+}
+
+
+def parse_server_message(data: Mapping[str, Any]) -> ServerMessage | None:
+    """One decoded server message, checked once: the fields the client reads have
+    their documented types (``ValueError`` if not), so nothing past this converts
+    or guesses. None for a type this client does not know (a newer server's): it
+    is ignored."""
+    kind = data.get("type")
+    required = _REQUIRED.get(kind) if isinstance(kind, str) else None
+    if required is None:
+        return None
+    for name, expected in required.items():
+        if not _is_a(data.get(name), expected):
+            raise ValueError(f"{kind} message without a valid {name!r}")
+    for name, expected in _OPTIONAL.items():
+        if name in data and not _is_a(data[name], expected):
+            raise ValueError(f"{kind} message with an invalid {name!r}")
+    return data  # type: ignore[return-value]  # checked above against the contract
+
+
+def _is_a(value: Any, expected: type | tuple[type, ...]) -> bool:
+    return isinstance(value, expected) and not isinstance(value, bool)
 
 
 # --- requests ---------------------------------------------------------------
@@ -106,12 +158,12 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
-class PausedEvent:
+class TurnPaused:
     seq: int
 
 
 @dataclass(frozen=True)
-class DoneEvent:
+class TurnEnded:
     finish_reason: str
     usage: Usage
     error: WsinferError | None
@@ -124,7 +176,7 @@ class StatusEvent:
     status: TurnStatus
 
 
-TurnEvent = TextDelta | PausedEvent | DoneEvent | StatusEvent
+TurnChange = TextDelta | TurnPaused | TurnEnded | StatusEvent
 
 _STATUS_AFTER = {
     ServerMessageType.DELTA.value: TurnStatus.RUNNING,
@@ -202,22 +254,21 @@ class TurnState:
         self.failure = exc
         return True
 
-    def apply(self, msg: Mapping[str, Any]) -> TurnEvent | None:
+    def apply(self, msg: TurnMessage) -> TurnChange | None:
         """Apply one ``delta``/``paused``/``done``; None when it changes nothing."""
-        if self.turn < 0 and "turn" in msg:
-            self.turn = int(msg["turn"])  # joined without knowing the turn: adopt it
-        if self.done or msg.get("turn", self.turn) != self.turn:
+        if self.turn < 0:
+            self.turn = msg["turn"]  # joined without knowing the turn: adopt it
+        if self.done or msg["turn"] != self.turn:
             return None
-        kind = msg.get("type")
-        event: TurnEvent | None = None
-        if kind == ServerMessageType.DELTA.value:
+        event: TurnChange | None = None
+        if msg["type"] == ServerMessageType.DELTA.value:
             event = self._apply_delta(msg)
-        elif kind == ServerMessageType.PAUSED.value:
-            event = PausedEvent(int(msg.get("seq", self.seq)))
-        elif kind == ServerMessageType.DONE.value:
+        elif msg["type"] == ServerMessageType.PAUSED.value:
+            event = TurnPaused(msg["seq"])
+        elif msg["type"] == ServerMessageType.DONE.value:
             event = self._apply_done(msg)
         if event is not None:
-            self.status = _STATUS_AFTER[str(kind)]
+            self.status = _STATUS_AFTER[msg["type"]]
         return event
 
     def apply_status(self, raw: Any) -> StatusEvent | None:
@@ -231,12 +282,11 @@ class TurnState:
         self.status = status
         return StatusEvent(status)
 
-    def _apply_delta(self, msg: Mapping[str, Any]) -> TextDelta | None:
-        seq = int(msg["seq"])
+    def _apply_delta(self, msg: DeltaMessage) -> TextDelta | None:
+        seq, text = msg["seq"], msg["text"]
         if seq <= self.seq:
             return None
         self.seq = seq
-        text = str(msg.get("text") or "")
         self.parts.append(text)
         entries = tuple(msg.get("logprobs") or ())
         self.logprobs.extend(entries)
@@ -244,15 +294,13 @@ class TurnState:
         self.tool_calls.extend(calls)
         return TextDelta(text, seq, entries, calls)
 
-    def _apply_done(self, msg: Mapping[str, Any]) -> DoneEvent:
-        self.finish_reason = str(msg.get("finish_reason") or "stop")
-        self.usage = Usage.from_wire(msg.get("usage"))
+    def _apply_done(self, msg: DoneMessage) -> TurnEnded:
+        self.finish_reason = msg["finish_reason"] or "stop"
+        self.usage = usage_from_wire(msg["usage"])
         raw_error = msg.get("error")
         if self.finish_reason == "error" or raw_error:
-            self.error = error_from_wire(
-                raw_error if isinstance(raw_error, Mapping) else {}, self.session
-            )
-        return DoneEvent(self.finish_reason, self.usage, self.error)
+            self.error = error_from_wire(raw_error or {}, self.session)
+        return TurnEnded(self.finish_reason, self.usage, self.error)
 
 
 # --- the connection-level core ------------------------------------------------
@@ -269,7 +317,7 @@ class Pending:
 
 
 @dataclass(frozen=True)
-class TurnStarted:
+class GenerateAnswered:
     """A ``generate`` was answered: ``turn`` is new here."""
 
     waiter: Any
@@ -277,7 +325,7 @@ class TurnStarted:
 
 
 @dataclass(frozen=True)
-class Refused:
+class RequestFailed:
     """A request failed: the server's ``error`` for it, or the client gave up."""
 
     kind: str
@@ -288,7 +336,7 @@ class Refused:
 @dataclass(frozen=True)
 class TurnUpdated:
     turn: TurnState
-    event: TurnEvent
+    event: TurnChange
 
 
 @dataclass(frozen=True)
@@ -297,7 +345,7 @@ class TurnFailed:
     error: WsinferError
 
 
-Event = TurnStarted | Refused | TurnUpdated | TurnFailed
+ClientEvent = GenerateAnswered | RequestFailed | TurnUpdated | TurnFailed
 
 
 class ClientProtocol:
@@ -326,7 +374,7 @@ class ClientProtocol:
     # --- requests ------------------------------------------------------------
 
     def generate(self, waiter: Any, **request: Any) -> Message:
-        """Start a turn (``generate_request``'s arguments); ``waiter`` gets ``TurnStarted``."""
+        """Start a turn (``generate_request``'s arguments); ``waiter`` gets ``GenerateAnswered``."""
         session = request.get("session")
         if session is not None and request.get("token") is None:
             request["token"] = self.tokens.get(session)
@@ -362,12 +410,12 @@ class ClientProtocol:
         self._register(state)
         return state
 
-    def close_session(self, session: str, token: str | None = None) -> list[Event]:
+    def close_session(self, session: str, token: str | None = None) -> list[ClientEvent]:
         """``close`` a session; a turn of it still running here fails with ``ClientClosed``."""
         token = token or self.tokens.get(session)
         if token is None:
             raise ValueError(f"no token known for session {session!r}; pass token=")
-        events: list[Event] = []
+        events: list[ClientEvent] = []
         turn = self.turns.get(session)
         if turn is not None:
             events += self._fail_turn(turn, ClientClosed(f"session {session} was closed"))
@@ -404,7 +452,7 @@ class ClientProtocol:
         self._deferred = []
         return self.data_to_send()
 
-    def connection_lost(self) -> list[Event]:
+    def connection_lost(self) -> list[ClientEvent]:
         """The connection dropped: keep what a fresh one must repeat."""
         self.connected = False
         self.send_failed(self.data_to_send())
@@ -416,14 +464,14 @@ class ClientProtocol:
             return []
         return self.fail_all(ConnectionLost("the connection dropped and reconnect is off"))
 
-    def fail_all(self, exc: WsinferError, *, everything: bool = False) -> list[Event]:
+    def fail_all(self, exc: WsinferError, *, everything: bool = False) -> list[ClientEvent]:
         """Give up: live turns (all turns with ``everything``) and every waiting request fail."""
-        events: list[Event] = []
+        events: list[ClientEvent] = []
         for turn in list(self.turns.values()):
             if everything or turn.live:
                 events += self._fail_turn(turn, exc)
         for pending in self.pending.values():
-            events.append(Refused(pending.kind, pending.waiter, exc))
+            events.append(RequestFailed(pending.kind, pending.waiter, exc))
         self.pending.clear()
         if everything:
             self._deferred.clear()
@@ -431,19 +479,20 @@ class ClientProtocol:
 
     # --- receiving -------------------------------------------------------------------
 
-    def receive(self, msg: Mapping[str, Any]) -> list[Event]:
-        """One decoded server message in, the events it causes out."""
-        kind = msg.get("type")
-        if kind in _STATUS_AFTER:
-            return self._on_turn_event(msg)
-        if kind == ServerMessageType.SESSION.value:
+    def receive(self, data: Mapping[str, Any]) -> list[ClientEvent]:
+        """One decoded server message in, the events it causes out; ``ValueError``
+        for a malformed one (``parse_server_message``), which changes nothing."""
+        msg = parse_server_message(data)
+        if msg is None:
+            return []
+        if msg["type"] == ServerMessageType.SESSION.value:
             return self._on_session(msg)
-        if kind == ServerMessageType.ERROR.value:
+        if msg["type"] == ServerMessageType.ERROR.value:
             return self._on_error(msg)
-        return []
+        return self._on_turn_event(msg)
 
-    def _on_turn_event(self, msg: Mapping[str, Any]) -> list[Event]:
-        turn = self.turns.get(str(msg.get("session")))
+    def _on_turn_event(self, msg: TurnMessage) -> list[ClientEvent]:
+        turn = self.turns.get(msg["session"])
         if turn is None or self._restarting(turn):
             return []
         event = turn.apply(msg)
@@ -451,34 +500,34 @@ class ClientProtocol:
             self._forget(turn)
         return [] if event is None else [TurnUpdated(turn, event)]
 
-    def _on_session(self, msg: Mapping[str, Any]) -> list[Event]:
+    def _on_session(self, msg: SessionMessage) -> list[ClientEvent]:
         pending = self.pending.pop(msg.get("id"), None)  # type: ignore[arg-type]
         if pending is None:
             return []
         if pending.kind != ClientMessageType.GENERATE.value:
             return self._on_status(pending, msg)  # a resume answered with the turn's status
-        turn = TurnState(str(msg["session"]), str(msg["token"]), int(msg["turn"]))
+        turn = TurnState(msg["session"], msg["token"], msg["turn"])
         turn.apply_status(msg.get("status"))
         turn.following = True  # the server attaches the connection that generated
         self._register(turn)
-        return [TurnStarted(pending.waiter, turn)]
+        return [GenerateAnswered(pending.waiter, turn)]
 
-    def _on_status(self, pending: Pending, msg: Mapping[str, Any]) -> list[Event]:
+    def _on_status(self, pending: Pending, msg: SessionMessage) -> list[ClientEvent]:
         turn = pending.turn
         if turn is None:
             return []
-        if turn.turn < 0 and "turn" in msg:
-            turn.turn = int(msg["turn"])  # joined without knowing the turn: adopt it
+        if turn.turn < 0:
+            turn.turn = msg["turn"]  # joined without knowing the turn: adopt it
         event = turn.apply_status(msg.get("status"))
         return [] if event is None else [TurnUpdated(turn, event)]
 
-    def _on_error(self, msg: Mapping[str, Any]) -> list[Event]:
+    def _on_error(self, msg: ErrorMessage) -> list[ClientEvent]:
         exc = error_from_wire(msg)
         if "id" in msg:
-            pending = self.pending.pop(msg["id"], None)
+            pending = self.pending.pop(msg["id"], None)  # type: ignore[arg-type]
             if pending is None:
                 return []
-            events: list[Event] = [Refused(pending.kind, pending.waiter, exc)]
+            events: list[ClientEvent] = [RequestFailed(pending.kind, pending.waiter, exc)]
             # A refused resume leaves the turn unreachable; a refused stop or
             # pause is its caller's problem only.
             if pending.kind == ClientMessageType.RESUME.value and pending.turn is not None:
@@ -521,7 +570,7 @@ class ClientProtocol:
         if pause in turn.requested and stop not in turn.requested:
             self._control(turn, pause, turn.requested[pause])
 
-    def _fail_turn(self, turn: TurnState, exc: WsinferError) -> list[Event]:
+    def _fail_turn(self, turn: TurnState, exc: WsinferError) -> list[ClientEvent]:
         failed = turn.fail(exc)
         self._forget(turn)
         return [TurnFailed(turn, exc)] if failed else []

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 
 from wsinfer.clients.client import Client, ReconnectPolicy
 from wsinfer.clients.codec import CodecName
-from wsinfer.clients.protocol import ChatMessage, Usage
+from wsinfer.clients.protocol import ChatMessage
 from wsinfer.clients.turn import Turn
+from wsinfer.contract import Usage
 
 __all__ = ["SyncClient", "SyncTurn", "connect"]
 

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import TYPE_CHECKING, Any
 
 from wsinfer.clients.errors import WsinferError
-from wsinfer.clients.protocol import ChatMessage, TurnState, Usage
-from wsinfer.contract import ClientMessageType
+from wsinfer.clients.protocol import ChatMessage, TurnState
+from wsinfer.contract import ClientMessageType, Usage
 
 if TYPE_CHECKING:
     from wsinfer.clients.client import Client

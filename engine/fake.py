@@ -24,11 +24,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsinfer.contract import ErrorCode
+from wsinfer.contract import ErrorCode, FinishReasonName
 from wsinfer.engine.core import EngineRequest, RequestOutput
 from wsinfer.engine.lifecycle import refused
 from wsinfer.engine.logprobs import TokenLogprob
-from wsinfer.sessions.schema import FinishReason, TurnError, Usage
+from wsinfer.sessions.schema import TurnError, Usage
 
 FAKE_PREFIX = "fake:"
 WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
@@ -243,7 +243,7 @@ class FakeCore:
         text = stamp if stamp is not None else WORDS[token]
         stream.num_generated += 1
         stream.emitted += 1
-        reason: FinishReason | None = None
+        reason: FinishReasonName | None = None
         stop_at = self._find_stop(stream, text)
         if stop_at is not None:
             reason, text = "stop", text[:stop_at]
@@ -284,7 +284,7 @@ class FakeCore:
         for rid, pause in self._aborts.items():
             stream = self._streams.get(rid)
             if stream is not None:
-                reason: FinishReason | None = None if pause else "cancelled"
+                reason: FinishReasonName | None = None if pause else "cancelled"
                 outputs.append(self._final(stream, reason, [], "", paused=pause))
         self._aborts.clear()
         return outputs
@@ -292,7 +292,7 @@ class FakeCore:
     def _final(
         self,
         stream: _Stream,
-        reason: FinishReason | None,
+        reason: FinishReasonName | None,
         new_ids: list[int],
         text: str,
         *,

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from wsinfer.contract import ErrorCode
+from wsinfer.contract import ErrorCode, FinishReasonName
 from wsinfer.response_format import ResponseFormatError
-from wsinfer.sessions.schema import FinishReason, GenerationParams, TurnError, Usage
+from wsinfer.sessions.schema import GenerationParams, TurnError, Usage
 
 from .detokenizer import IncrementalDetokenizer
 from .grammar import Constraint, Grammars
@@ -71,7 +71,7 @@ class RequestOutput:
     text: str
     num_generated: int
     finished: bool = False
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReasonName | None = None
     paused: bool = False
     usage: Usage | None = None
     kv_len: int | None = None
@@ -202,7 +202,7 @@ class CoreBase:
             return TurnError(ErrorCode.BAD_REQUEST, str(exc))
         return None
 
-    def _already_done(self, seq: Sequence) -> FinishReason | None:
+    def _already_done(self, seq: Sequence) -> FinishReasonName | None:
         """A rebuilt turn that had in fact ended (the caller missed its end)."""
         generated = seq.request.generated_ids
         if seq.detok.stopped or (generated and generated[-1] in self._ends(seq.request.params)):
@@ -222,7 +222,7 @@ class CoreBase:
         seq.num_generated += 1
         if seq.seen is not None and token < seq.seen.shape[0]:
             seq.seen[token] = True
-        reason: FinishReason | None = None
+        reason: FinishReasonName | None = None
         logprobs = [logprob] if logprob is not None else []
         constraint = seq.constraint
         if constraint is not None:
@@ -262,7 +262,7 @@ class CoreBase:
             # Text still held back (the possible start of a stop string) is not
             # released: with no new token its delta would repeat the last delta's seq,
             # which followers drop as already seen. The turn's text ends before it.
-            reason: FinishReason | None = None if pause else "cancelled"
+            reason: FinishReasonName | None = None if pause else "cancelled"
             outputs.append(self._final_output(seq, reason, [], "", paused=pause))
         self._aborts.clear()
         return outputs
@@ -270,7 +270,7 @@ class CoreBase:
     def _final_output(
         self,
         seq: Sequence,
-        reason: FinishReason | None,
+        reason: FinishReasonName | None,
         new_ids: list[int],
         text: str,
         *,

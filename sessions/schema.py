@@ -18,7 +18,7 @@ import msgpack
 
 from wsinfer import response_format
 from wsinfer import tools as tool_calling
-from wsinfer.contract import ErrorCode, FinishReasonName
+from wsinfer.contract import ErrorCode, ErrorFields, FinishReasonName, Usage
 from wsinfer.sessions import keys
 
 # Settings every process that writes session keys shares. A session records
@@ -29,8 +29,6 @@ DEFAULT_SESSION_TTL_S = 3600
 CLOSE_LINGER_S = 30
 # An engine whose last heartbeat is older than this is not routed to.
 ENGINE_FRESH_S = 5.0
-
-FinishReason = FinishReasonName  # declared with the contract's enum
 
 # Bounds that keep one request from hurting everybody else.
 MAX_NEW_TOKENS_LIMIT = 4096
@@ -256,13 +254,6 @@ _PARAM_CHECKS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
 class TurnInput:
     """What a client asked for in one ``generate``: the engine renders it."""
 
@@ -360,7 +351,7 @@ class TurnError:
     code: ErrorCode
     message: str
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> ErrorFields:
         return {"code": self.code.value, "message": self.message}
 
 
@@ -411,7 +402,7 @@ class PausedEvent:
 @dataclass(frozen=True)
 class DoneEvent:
     seq: int
-    finish_reason: FinishReason
+    finish_reason: FinishReasonName
     usage: Usage = field(default_factory=Usage)
     error: TurnError | None = None
     kind: Literal["done"] = "done"

@@ -9,8 +9,9 @@ here and in the doc.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal, TypedDict
 
 
 class Subprotocol(str, Enum):
@@ -77,6 +78,16 @@ class FinishReason(str, Enum):
 FinishReasonName = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 
 
+@dataclass(frozen=True)
+class Usage:
+    """A turn's token counts: a ``done``'s ``usage``, as the engine records it
+    in the turn record and as the clients read it (one type on both sides)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
 class TurnStatus(str, Enum):
     """A turn's status: the states of ``sessions/states.py``'s table, and what a
     ``session`` answer and ``status`` fields carry (``new`` never reaches clients)."""
@@ -86,6 +97,104 @@ class TurnStatus(str, Enum):
     RUNNING = "running"
     PAUSED = "paused"
     DONE = "done"
+
+
+# The statuses and error codes as types too, for the maps below (held to the enums
+# by a test, like FinishReasonName).
+TurnStatusName = Literal["new", "queued", "running", "paused", "done"]
+ErrorCodeName = Literal[
+    "bad_request",
+    "unauthorized",
+    "not_found",
+    "conflict",
+    "too_large",
+    "overloaded",
+    "engine_unavailable",
+    "internal",
+]
+
+
+# --- server -> client messages ----------------------------------------------------
+# Typed maps, not classes: the server builds them (wsinfer/messages.py) and encodes
+# them as they are, one per frame, with nothing converted on the way; the Python
+# client checks what it receives against them. Every ``type`` and every closed field
+# is a Literal, so a misspelt type, status, finish reason or code is a type error
+# (also in a comparison: mypy's strict equality). Optional fields sit in a
+# ``total=False`` base, which works on every Python the package supports.
+
+
+class _Answer(TypedDict, total=False):
+    id: str | int  # the request's ``id``, echoed when it had one
+
+
+class SessionMessage(_Answer):
+    type: Literal["session"]
+    session: str
+    token: str
+    turn: int
+    status: TurnStatusName
+
+
+class _DeltaExtras(TypedDict, total=False):
+    logprobs: list[dict[str, Any]]  # with params.logprobs: one entry per token of ``text``
+    tool_calls: list[dict[str, Any]]  # with params.tools: the calls this delta completes
+
+
+class DeltaMessage(_DeltaExtras):
+    type: Literal["delta"]
+    session: str
+    turn: int
+    seq: int
+    text: str
+
+
+class PausedMessage(TypedDict):
+    type: Literal["paused"]
+    session: str
+    turn: int
+    seq: int
+
+
+class UsageFields(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class ErrorFields(TypedDict):
+    """A ``done``'s ``error``: why the turn ended with ``finish_reason: error``."""
+
+    code: ErrorCodeName
+    message: str
+
+
+class _DoneExtras(TypedDict, total=False):
+    error: ErrorFields
+
+
+class DoneMessage(_DoneExtras):
+    type: Literal["done"]
+    session: str
+    turn: int
+    seq: int
+    finish_reason: FinishReasonName
+    usage: UsageFields
+
+
+class _ErrorExtras(_Answer, total=False):
+    session: str
+    retry_after: float
+
+
+class ErrorMessage(_ErrorExtras):
+    type: Literal["error"]
+    code: ErrorCodeName
+    message: str
+
+
+ServerMessage = SessionMessage | DeltaMessage | PausedMessage | DoneMessage | ErrorMessage
+# What follows a turn (sent to its followers), as against answers to requests.
+TurnMessage = DeltaMessage | PausedMessage | DoneMessage
 
 
 class CloseCode:

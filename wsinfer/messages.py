@@ -1,8 +1,9 @@
 """Wire protocol v1: every message type, its validation, and both codecs.
 
 Client messages are parsed into typed dataclasses here and nowhere else;
-server messages are built here as plain maps; ``Codec`` turns maps into
-frames (JSON text or msgpack binary) and back.
+server messages are built here, as the typed maps of ``wsinfer.contract``
+(``ServerMessage``: plain dicts, so the send path converts nothing);
+``Codec`` turns maps into frames (JSON text or msgpack binary) and back.
 """
 
 from __future__ import annotations
@@ -16,13 +17,19 @@ import msgpack
 from wsinfer import tools as tool_calling
 from wsinfer.contract import (
     ClientMessageType,
+    DeltaMessage,
+    DoneMessage,
     ErrorCode,
+    ErrorMessage,
+    PausedMessage,
+    ServerMessage,
     ServerMessageType,
+    SessionMessage,
     Subprotocol,
     TurnStatus,
 )
 from wsinfer.errors import BadRequest, TooLarge
-from wsinfer.sessions.schema import DoneEvent, GenerationParams, ParamsError, Usage
+from wsinfer.sessions.schema import DoneEvent, GenerationParams, ParamsError
 
 JSON_SUBPROTOCOL = Subprotocol.JSON.value
 MSGPACK_SUBPROTOCOL = Subprotocol.MSGPACK.value
@@ -273,23 +280,19 @@ _PARSERS: dict[str, Any] = {
 # --- server -> client ----------------------------------------------------------
 
 
-def with_id(message: dict[str, Any], msg_id: str | int | None) -> dict[str, Any]:
-    if msg_id is not None:
-        message["id"] = msg_id
-    return message
-
-
 def session_message(
     session: str, token: str, turn: int, status: TurnStatus, msg_id: str | int | None
-) -> dict[str, Any]:
-    message = {
+) -> SessionMessage:
+    message: SessionMessage = {
         "type": ServerMessageType.SESSION.value,
         "session": session,
         "token": token,
         "turn": turn,
         "status": status.value,
     }
-    return with_id(message, msg_id)
+    if msg_id is not None:
+        message["id"] = msg_id
+    return message
 
 
 def delta_message(
@@ -299,8 +302,8 @@ def delta_message(
     text: str,
     logprobs: list[dict[str, Any]] | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    message = {
+) -> DeltaMessage:
+    message: DeltaMessage = {
         "type": ServerMessageType.DELTA.value,
         "session": session,
         "turn": turn,
@@ -314,13 +317,13 @@ def delta_message(
     return message
 
 
-def paused_message(session: str, turn: int, seq: int) -> dict[str, Any]:
+def paused_message(session: str, turn: int, seq: int) -> PausedMessage:
     return {"type": ServerMessageType.PAUSED.value, "session": session, "turn": turn, "seq": seq}
 
 
-def done_message(session: str, turn: int, event: DoneEvent) -> dict[str, Any]:
-    usage: Usage = event.usage
-    message: dict[str, Any] = {
+def done_message(session: str, turn: int, event: DoneEvent) -> DoneMessage:
+    usage = event.usage
+    message: DoneMessage = {
         "type": ServerMessageType.DONE.value,
         "session": session,
         "turn": turn,
@@ -344,8 +347,8 @@ def error_message(
     msg_id: str | int | None = None,
     session: str | None = None,
     retry_after: float | None = None,
-) -> dict[str, Any]:
-    message: dict[str, Any] = {
+) -> ErrorMessage:
+    message: ErrorMessage = {
         "type": ServerMessageType.ERROR.value,
         "code": code.value,
         "message": text,
@@ -354,7 +357,9 @@ def error_message(
         message["session"] = session
     if retry_after is not None:
         message["retry_after"] = retry_after
-    return with_id(message, msg_id)
+    if msg_id is not None:
+        message["id"] = msg_id
+    return message
 
 
 # --- codecs --------------------------------------------------------------------------
@@ -364,7 +369,7 @@ class Codec(Protocol):
     @property
     def subprotocol(self) -> str: ...
 
-    def encode(self, message: dict[str, Any]) -> str | bytes: ...
+    def encode(self, message: ServerMessage) -> str | bytes: ...
 
     def decode(self, frame: str | bytes) -> Any: ...
 
@@ -378,7 +383,7 @@ _JSON_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 class JsonCodec:
     subprotocol: str = field(default=JSON_SUBPROTOCOL)
 
-    def encode(self, message: dict[str, Any]) -> str:
+    def encode(self, message: ServerMessage) -> str:
         return _JSON_ENCODER.encode(message)
 
     def decode(self, frame: str | bytes) -> Any:
@@ -396,7 +401,7 @@ class JsonCodec:
 class MsgpackCodec:
     subprotocol: str = field(default=MSGPACK_SUBPROTOCOL)
 
-    def encode(self, message: dict[str, Any]) -> bytes:
+    def encode(self, message: ServerMessage) -> bytes:
         return bytes(msgpack.packb(message, use_bin_type=True))
 
     def decode(self, frame: str | bytes) -> Any:

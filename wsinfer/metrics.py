@@ -26,6 +26,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from wsinfer.contract import DeltaMessage, ServerMessage
+
 # ``*_created`` samples double the exposition and no dashboard here reads them.
 disable_created_metrics()
 
@@ -146,19 +148,19 @@ class TurnClock:
         now = time.monotonic()
         self._turns[(session, turn)] = (now, now, 0, False)
 
-    def sent(self, message: dict[str, Any]) -> None:
-        kind, metrics = message["type"], self.metrics
-        if kind == "delta":
+    def sent(self, message: ServerMessage) -> None:
+        metrics = self.metrics
+        if message["type"] == "delta":
             metrics.deltas.inc()
             self._delta(message)
-        elif kind == "error":
+        elif message["type"] == "error":
             metrics.refusals.labels(code=message["code"]).inc()
-        elif kind == "done":  # a long-lived connection must not keep every turn's clock
+        elif message["type"] == "done":  # a long-lived connection must not keep every turn's clock
             clock = self._turns.pop((message["session"], message["turn"]), None)
             if clock is not None:
                 metrics.turn_seconds.observe(time.monotonic() - clock[0])
 
-    def _delta(self, message: dict[str, Any]) -> None:
+    def _delta(self, message: DeltaMessage) -> None:
         key = (message["session"], message["turn"])
         clock = self._turns.get(key)
         if clock is None:

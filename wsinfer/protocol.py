@@ -46,6 +46,7 @@ from wsinfer.contract import (
     ClientMessageType,
     ErrorCode,
     FinishReason,
+    ServerMessage,
     ServerMessageType,
     TurnStatus,
 )
@@ -139,7 +140,7 @@ class Feed:
 @dataclass(frozen=True)
 class Outgoing:
     frame: str | bytes
-    message: dict[str, Any]
+    message: ServerMessage
 
 
 class ConnectionProtocol:
@@ -147,7 +148,7 @@ class ConnectionProtocol:
         self.codec = codec
         self.limits = limits or Limits()
         self.feeds: dict[str, Feed] = {}  # session -> feed
-        self._outbox: list[dict[str, Any]] = []
+        self._outbox: list[ServerMessage] = []
         # Roughly how many bytes the outbox will encode to: the adapter pauses
         # a connection's sources while its client is not reading.
         self.outbox_bytes = 0
@@ -350,7 +351,7 @@ class ConnectionProtocol:
 
     # --- output ---------------------------------------------------------------------
 
-    def _queue(self, message: dict[str, Any]) -> None:
+    def _queue(self, message: Any) -> None:  # a ServerMessage, its fields read generically
         self._outbox.append(message)
         self.outbox_bytes += _MESSAGE_OVERHEAD + len(message.get("text", ""))
         for call in message.get("tool_calls") or ():
@@ -363,7 +364,7 @@ class ConnectionProtocol:
         self.outbox_bytes = 0
         return [self._encode(m) for m in messages]
 
-    def _encode(self, message: dict[str, Any]) -> Outgoing:
+    def _encode(self, message: ServerMessage) -> Outgoing:
         """Encode one message; one that cannot be (a bug) becomes an ``internal``
         error, so a connection is never dropped over an unsendable reply."""
         try:
@@ -412,13 +413,13 @@ _MESSAGE_OVERHEAD = 96
 _LOGPROB_BYTES = 64
 
 
-def _coalesce(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _coalesce(messages: list[Any]) -> list[Any]:  # ServerMessages, merged as maps
     """Merge runs of deltas of the same turn: one frame, the latest seq, all text (and
     all logprobs entries, in order).
 
     Texts are joined once per run (not pairwise), so a long replay stays linear.
     """
-    out: list[dict[str, Any]] = []
+    out: list[Any] = []
     texts: list[str] = []  # the texts of the run of deltas that ends ``out``
     entries: list[dict[str, Any]] = []  # and their logprobs entries
     for message in messages:
@@ -444,7 +445,7 @@ def _coalesce(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _close_run(out: list[dict[str, Any]], texts: list[str], entries: list[dict[str, Any]]) -> None:
+def _close_run(out: list[Any], texts: list[str], entries: list[dict[str, Any]]) -> None:
     """Give the merged delta ending ``out`` its run's text and entries."""
     if len(texts) > 1:
         out[-1]["text"] = "".join(texts)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.extensions.base import Extension
@@ -34,6 +33,7 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 from websockets.typing import ExtensionParameter
 
+from wsinfer.contract import ServerMessage
 from wsinfer.protocol import ConnectionProtocol
 
 DEFLATE_MIN_BYTES = 1024
@@ -87,7 +87,7 @@ class Sender:
         self,
         ws: ServerConnection,
         protocol: ConnectionProtocol,
-        sent: Callable[[dict[str, Any]], None],
+        sent: Callable[[ServerMessage], None],
         progressed: Callable[[], None],
     ) -> None:
         self.ws = ws

@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from wsinfer.clients.protocol import ClientProtocol, TextDelta, TurnStarted, TurnState, TurnUpdated
+from wsinfer.clients.protocol import (
+    ClientProtocol,
+    GenerateAnswered,
+    TextDelta,
+    TurnState,
+    TurnUpdated,
+)
 
 Message = dict[str, Any]
 SESSION, TOKEN, TURN = "s1", "k1", 1
@@ -186,7 +192,7 @@ class PythonClient:
 
     def receive(self, msg: Message) -> list[Message]:
         for event in self.core.receive(msg):
-            if isinstance(event, TurnStarted):
+            if isinstance(event, GenerateAnswered):
                 assert self.turn is None or self.turn is event.turn, "a second turn answered"
                 self.turn = event.turn
             elif isinstance(event, TurnUpdated) and isinstance(event.event, TextDelta):

@@ -20,14 +20,15 @@ from wsinfer.clients.codec import (
 )
 from wsinfer.clients.protocol import (
     ClientProtocol,
-    DoneEvent,
-    Refused,
+    GenerateAnswered,
+    RequestFailed,
     TextDelta,
+    TurnEnded,
     TurnFailed,
-    TurnStarted,
     TurnState,
     control_request,
     generate_request,
+    parse_server_message,
 )
 from wsinfer.contract import TurnStatus
 
@@ -56,7 +57,7 @@ def test_other_turns_and_late_messages_are_ignored() -> None:
     state.apply(delta(1, "x", turn=2))
     done = {"type": "done", "turn": 2, "seq": 1, "finish_reason": "length", "usage": {}}
     event = state.apply(done)
-    assert isinstance(event, DoneEvent) and event.error is None
+    assert isinstance(event, TurnEnded) and event.error is None
     assert state.apply(delta(2, "late", turn=2)) is None
     assert state.apply({**done, "finish_reason": "stop"}) is None
     assert (state.text, state.finish_reason) == ("x", "length")
@@ -180,7 +181,7 @@ def test_backoff_grows_with_jitter_and_is_capped() -> None:
 def _started(core: ClientProtocol, msg: dict[str, Any], status: str = "running") -> TurnState:
     answer = {"type": "session", "id": msg["id"], "session": "s1", "token": "k", "turn": 1}
     [event] = core.receive({**answer, "status": status})
-    assert isinstance(event, TurnStarted) and event.waiter == "caller"
+    assert isinstance(event, GenerateAnswered) and event.waiter == "caller"
     return event.turn
 
 
@@ -210,7 +211,7 @@ def test_without_reconnect_a_drop_fails_what_waits() -> None:
     core.connection_made()
     core.generate("caller", prompt="hi")
     [refused] = core.connection_lost()
-    assert isinstance(refused, Refused) and refused.waiter == "caller"
+    assert isinstance(refused, RequestFailed) and refused.waiter == "caller"
     assert isinstance(refused.error, errors.ConnectionLost)
     assert refused.error.code == "connection_lost"
 
@@ -257,7 +258,7 @@ def test_a_refused_resume_fails_the_turn() -> None:
     core.resume(turn, "ack")
     [resume] = core.data_to_send()
     events = core.receive({"type": "error", "id": resume["id"], "code": "not_found"})
-    assert [type(e) for e in events] == [Refused, TurnFailed]
+    assert [type(e) for e in events] == [RequestFailed, TurnFailed]
     assert turn.finished and "s9" not in core.turns
 
 
@@ -267,3 +268,43 @@ def test_close_is_kept_until_it_can_be_sent() -> None:
     core.close_session("s1")
     assert core.wants_connection()
     assert core.connection_made() == [{"type": "close", "session": "s1", "token": "k"}]
+
+
+def test_every_message_the_server_builds_passes_the_clients_check() -> None:
+    from wsinfer import messages
+    from wsinfer.contract import ErrorCode
+    from wsinfer.sessions.schema import DoneEvent, TurnError, Usage
+
+    failed = DoneEvent(3, "error", Usage(1, 3), TurnError(ErrorCode.INTERNAL, "m"))
+    built = [
+        messages.session_message("s", "k", 1, TurnStatus.QUEUED, 7),
+        messages.delta_message("s", 1, 2, "ab", [{"token": "a"}], [{"index": 0}]),
+        messages.paused_message("s", 1, 2),
+        messages.done_message("s", 1, failed),
+        messages.error_message(ErrorCode.OVERLOADED, "m", msg_id="x", retry_after=1.5),
+    ]
+    for message in built:
+        assert parse_server_message(message) is message
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"type": "delta", "session": "s", "turn": 1, "seq": "2", "text": "a"},
+        {"type": "delta", "session": "s", "seq": 2, "text": "a"},
+        {"type": "paused", "session": "s", "turn": True, "seq": 2},
+        {"type": "done", "session": "s", "turn": 1, "seq": 2, "finish_reason": "stop"},
+        {"type": "session", "id": 1, "session": "s", "turn": 1},
+        {"type": "error", "id": 1.5, "code": "internal", "message": "m"},
+    ],
+)
+def test_a_malformed_server_message_is_refused_at_the_edge(message: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        parse_server_message(message)
+    with pytest.raises(ValueError):
+        ClientProtocol().receive(message)
+
+
+def test_a_message_type_this_client_does_not_know_is_ignored() -> None:
+    assert parse_server_message({"type": "hint", "text": "?"}) is None
+    assert ClientProtocol().receive({"type": "hint"}) == []

@@ -55,3 +55,23 @@ def test_the_finish_reason_type_and_enum_hold_the_same_values() -> None:
 def test_every_finish_reason_is_documented(reason: str) -> None:
     line = next(row for row in DOC.splitlines() if row.startswith("| `done` |"))
     assert f"`{reason}`" in line
+
+
+@pytest.mark.parametrize(
+    ("names", "enum"),
+    [
+        (contract.TurnStatusName, contract.TurnStatus),
+        (contract.ErrorCodeName, contract.ErrorCode),
+    ],
+)
+def test_each_literal_type_holds_its_enums_values(names: object, enum: type[Enum]) -> None:
+    assert set(typing.get_args(names)) == _values(enum)
+
+
+def test_the_server_message_types_are_one_per_message_type() -> None:
+    """Each map of ``ServerMessage`` is tagged by one ``type``, all of them together
+    ``ServerMessageType``."""
+    tags = [typing.get_type_hints(m)["type"] for m in typing.get_args(contract.ServerMessage)]
+    assert sorted(typing.get_args(t)[0] for t in tags) == sorted(
+        _values(contract.ServerMessageType)
+    )

@@ -27,7 +27,7 @@ from wsinfer.access import (
     request_path,
     shorten,
 )
-from wsinfer.contract import ClientMessageType, TurnStatus
+from wsinfer.contract import ClientMessageType, ServerMessageType, TurnStatus
 from wsinfer.handlers import to_protocol_error
 from wsinfer.http.choices import ManyChoices
 from wsinfer.http.completions import TextCompletion, parse_completion_request
@@ -342,15 +342,15 @@ class HttpApp:
             await peer.handlers.handle(command)
             # A stop ends in done; a pause in paused, or done if the turn ended first.
             # (The replay may show an older pause of a turn resumed since: not the answer.)
-            wanted = tuple(answer.value for answer in ANSWERS[command.type])
-            outcome = await peer.outcome(wanted, CONTROL_WAIT_S)
+            paused = ServerMessageType.PAUSED in ANSWERS[command.type]
+            outcome = await peer.outcome(CONTROL_WAIT_S, paused=paused)
         finally:
             self.close_peer(peer)
         if outcome is None:  # the engine has not acted on it yet; it will
             return HttpResponse.json(202, {"session": session, "status": f"{action}_requested"})
         status = TurnStatus.PAUSED.value if outcome["type"] == "paused" else TurnStatus.DONE.value
         body = _info_body(session, outcome["turn"], status, outcome["seq"])
-        if "finish_reason" in outcome:
+        if outcome["type"] == "done":
             body["finish_reason"] = outcome["finish_reason"]
         return HttpResponse.json(200, body)
 

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from wsinfer.contract import ServerMessage, SessionMessage
 from wsinfer.http.connection import HttpResponse
 from wsinfer.http.openai import (
     SSE_DONE,
@@ -49,7 +50,7 @@ class ManyChoices:
         if chat.generate.session is not None:
             raise bad_request("n > 1 starts a session per choice: it cannot continue one", "n")
         peers: list[HttpPeer] = []
-        accepted: list[dict[str, Any]] = []
+        accepted: list[SessionMessage] = []
         try:
             for index in range(chat.n):
                 peers.append(self.app.open_peer())
@@ -95,7 +96,7 @@ class ManyChoices:
         whole["usage"] = combined_usage([a["usage"] for a in answers])
         return HttpResponse.json(200, whole, headers)
 
-    async def _forget(self, accepted: list[dict[str, Any]]) -> None:
+    async def _forget(self, accepted: list[SessionMessage]) -> None:
         """Close the sessions of a request refused after some of its choices started."""
         for started in accepted:
             with contextlib.suppress(Exception):  # the request's own refusal goes on
@@ -113,7 +114,7 @@ class ManyChoices:
         number cannot say where ``n`` streams are (each choice's session resumes on
         its own, ``GET /v1/sessions/{id}/stream``). ``readers`` gets the tasks that
         follow the choices, for the response's cleanup to cancel."""
-        arrivals: asyncio.Queue[tuple[int, list[dict[str, Any]]]] = asyncio.Queue()
+        arrivals: asyncio.Queue[tuple[int, list[ServerMessage]]] = asyncio.Queue()
 
         async def follow(index: int) -> None:
             while True:

@@ -15,6 +15,7 @@ import codecs
 from dataclasses import dataclass, field
 from typing import Any
 
+from wsinfer.contract import DoneMessage
 from wsinfer.http.openai import (
     IGNORED,
     OFF_VALUES,
@@ -141,7 +142,7 @@ class TextCompletion(Completion):
     def whole(
         self,
         text: str,
-        done: dict[str, Any],
+        done: DoneMessage,
         logprobs: list[dict[str, Any]] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,  # a text session has none
     ) -> dict[str, Any]:

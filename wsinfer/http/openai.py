@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from wsinfer.access import shorten
-from wsinfer.contract import ErrorCode
+from wsinfer.contract import (
+    DeltaMessage,
+    DoneMessage,
+    ErrorCode,
+    ErrorMessage,
+    ServerMessage,
+    UsageFields,
+)
 from wsinfer.errors import BadRequest, WsinferError
 from wsinfer.messages import MAX_DEPTH, Generate, Limits, check_value, parse_client_message
 
@@ -353,7 +360,7 @@ class Completion:
     def whole(
         self,
         text: str,
-        done: dict[str, Any],
+        done: DoneMessage,
         logprobs: list[dict[str, Any]] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
@@ -396,7 +403,7 @@ def openai_finish_reason(reason: str) -> str:
     return "stop" if reason == "cancelled" else reason
 
 
-def openai_usage(usage: dict[str, int]) -> dict[str, Any]:
+def openai_usage(usage: UsageFields) -> dict[str, Any]:
     prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
     return {
         "prompt_tokens": prompt,
@@ -406,13 +413,13 @@ def openai_usage(usage: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def turn_error(done: dict[str, Any]) -> OpenAIError:
+def turn_error(done: DoneMessage) -> OpenAIError:
     """A turn that ended with ``finish_reason: error``, by the code the engine chose:
     a prompt longer than the model's context is the client's (400 ``too_large``,
     as OpenAI's and vLLM's 400), not ours (a 500, which the OpenAI SDK retries)."""
-    error = done.get("error") or {}
-    code = str(error.get("code", "internal"))
-    message = str(error.get("message", "the turn failed"))
+    error = done.get("error")
+    code = str(error["code"]) if error else "internal"
+    message = str(error["message"]) if error else "the turn failed"
     param = "messages" if code == ErrorCode.TOO_LARGE else None
     return OpenAIError(STATUS_BY_CODE.get(code, 500), message, code=code, param=param)
 
@@ -439,22 +446,21 @@ def sse_comment(text: str) -> bytes:
 SSE_KEEPALIVE = sse_comment("keep-alive")
 
 
-def sse_for(completion: Completion, message: dict[str, Any], include_usage: bool) -> bytes:
+def sse_for(completion: Completion, message: ServerMessage, include_usage: bool) -> bytes:
     """The SSE bytes for one outgoing protocol message of a turn; b"" for none.
 
     A delta's event id is its ``seq``, so ``Last-Event-ID`` is exactly the
     WebSocket ``resume``'s ``after``. A pause is a comment: the stream stays
     open and goes on when the turn is resumed. The end is ``data: [DONE]``.
     """
-    kind = message["type"]
-    if kind == "delta":
+    if message["type"] == "delta":
         return sse(delta_chunk(completion, message), message["seq"])
-    if kind == "paused":
+    if message["type"] == "paused":
         return sse_comment(f"paused at seq {message['seq']}")
-    if kind == "error":
+    if message["type"] == "error":
         error = OpenAIError.from_wsinfer(_as_wsinfer(message))
         return sse(error.body()) + SSE_DONE
-    if kind != "done":
+    if message["type"] != "done":
         return b""
     if message["finish_reason"] == "error":
         return sse(turn_error(message).body()) + SSE_DONE
@@ -464,7 +470,7 @@ def sse_for(completion: Completion, message: dict[str, Any], include_usage: bool
     return out + SSE_DONE
 
 
-def delta_chunk(completion: Completion, message: dict[str, Any]) -> dict[str, Any]:
+def delta_chunk(completion: Completion, message: DeltaMessage) -> dict[str, Any]:
     """The chunk of a protocol ``delta``: its text, calls and log-probabilities."""
     delta: dict[str, Any] = {"content": message["text"]}
     if message.get("tool_calls"):
@@ -472,7 +478,7 @@ def delta_chunk(completion: Completion, message: dict[str, Any]) -> dict[str, An
     return completion.chunk(delta, logprobs=message.get("logprobs"))
 
 
-def failure(message: dict[str, Any]) -> OpenAIError | None:
+def failure(message: ServerMessage) -> OpenAIError | None:
     """The error a protocol message ends a stream with (a refusal, a failed turn)."""
     if message["type"] == "error":
         return OpenAIError.from_wsinfer(_as_wsinfer(message))
@@ -489,7 +495,7 @@ def combined_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
     return {**first, "completion_tokens": completion, "total_tokens": total}
 
 
-def _as_wsinfer(message: dict[str, Any]) -> WsinferError:
+def _as_wsinfer(message: ErrorMessage) -> WsinferError:
     error = WsinferError(str(message["message"]), retry_after=message.get("retry_after"))
     error.code = ErrorCode(message["code"])
     return error

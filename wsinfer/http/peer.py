@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from wsinfer.contract import DoneMessage, PausedMessage, ServerMessage, SessionMessage
 from wsinfer.errors import BadRequest
 from wsinfer.handlers import Handlers
 from wsinfer.protocol import ConnectionProtocol
@@ -41,7 +42,7 @@ class _NoFrames:
 
     subprotocol: str = field(default="http")
 
-    def encode(self, message: dict[str, Any]) -> str:
+    def encode(self, message: ServerMessage) -> str:
         return ""
 
     def decode(self, frame: str | bytes) -> Any:
@@ -56,7 +57,7 @@ class HttpPeer:
         self.log = log.bind(conn=self.id)
         self.handlers = Handlers(self)
         self._wakeup = asyncio.Event()
-        self._held: list[dict[str, Any]] = []
+        self._held: list[ServerMessage] = []
         # Never: a slow SSE reader holds one coalescing outbox (one turn, bounded by
         # its length) and the HTTP writer waits on the transport's own flow control.
         self.congested = False
@@ -74,7 +75,7 @@ class HttpPeer:
     def flush(self) -> None:
         self._wakeup.set()
 
-    async def messages(self, timeout: float) -> list[dict[str, Any]]:
+    async def messages(self, timeout: float) -> list[ServerMessage]:
         """What the protocol has to send now, waiting up to ``timeout`` ([] if nothing)."""
         while True:
             out = [*self._held, *(o.message for o in self.protocol.data_to_send())]
@@ -85,27 +86,35 @@ class HttpPeer:
                 return []
             self._wakeup.clear()
 
-    async def outcome(self, wanted: tuple[str, ...], timeout: float) -> dict[str, Any] | None:
-        """The first message of a type in ``wanted`` (a stop's ``done``), if it comes in time."""
+    async def outcome(
+        self, timeout: float, *, paused: bool = False
+    ) -> DoneMessage | PausedMessage | None:
+        """The turn's ``done`` (a stop's outcome), or with ``paused`` its ``paused``
+        too (a pause's), if it comes in time."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             for message in await self.messages(left):
-                if message["type"] in wanted:
+                if message["type"] == "done" or (paused and message["type"] == "paused"):
                     return message
         return None
 
-    def accepted(self) -> dict[str, Any]:
+    def accepted(self) -> SessionMessage:
         """The ``session`` answer to the generate just handled (the rest is kept for later)."""
         out = [o.message for o in self.protocol.data_to_send()]
-        first = next(m for m in out if m["type"] == "session")
-        self._held = [m for m in out if m is not first]
-        return first
+        for first in out:
+            if first["type"] == "session":
+                self._held = [m for m in out if m is not first]
+                return first
+        raise LookupError("the generate was not answered")
 
-    def rejoined(self) -> tuple[dict[str, Any], int]:
+    def rejoined(self) -> tuple[SessionMessage, int]:
         """The ``session`` answer to the resume just handled, and the last seq of its
         replay (0 for a turn that has sent nothing yet)."""
-        first = self.accepted()
-        return first, max((int(m.get("seq", 0)) for m in self._held), default=0)
+        first, seq = self.accepted(), 0
+        for message in self._held:
+            if message["type"] in ("delta", "paused", "done"):
+                seq = max(seq, message["seq"])
+        return first, seq
 
     def close(self) -> None:
         """Stop following: generation goes on unwatched, as after a WebSocket disconnect."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsinfer.access import shorten
-from wsinfer.contract import ErrorCode
+from wsinfer.contract import DoneMessage, ErrorCode, UsageFields
 from wsinfer.http.openai import (
     IGNORED,
     OpenAIError,
@@ -323,7 +323,7 @@ def live_status(turn_status: str) -> str:
     return _LIVE_STATUS.get(turn_status, "in_progress")
 
 
-def outcome(done: dict[str, Any]) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+def outcome(done: DoneMessage) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
     """A ``done``'s finish reason as a response's ``status``, ``incomplete_details``
     and ``error``. A turn a client stopped is ``cancelled``, as OpenAI's are."""
     reason = done["finish_reason"]
@@ -333,12 +333,14 @@ def outcome(done: dict[str, Any]) -> tuple[str, dict[str, Any] | None, dict[str,
         return "incomplete", {"reason": "max_output_tokens"}, None
     if reason == "cancelled":
         return "cancelled", None, None
-    error = done.get("error") or {}
-    code = "invalid_prompt" if error.get("code") == ErrorCode.TOO_LARGE else "server_error"
-    return "failed", None, {"code": code, "message": str(error.get("message", "the turn failed"))}
+    error = done.get("error")
+    too_large = error is not None and error["code"] == ErrorCode.TOO_LARGE.value
+    code = "invalid_prompt" if too_large else "server_error"
+    text = str(error["message"]) if error else "the turn failed"
+    return "failed", None, {"code": code, "message": text}
 
 
-def response_usage(usage: dict[str, int]) -> dict[str, Any]:
+def response_usage(usage: UsageFields) -> dict[str, Any]:
     prompt, output = usage["prompt_tokens"], usage["completion_tokens"]
     return {
         "input_tokens": prompt,
@@ -365,7 +367,7 @@ class ResponseView:
         self,
         status: str,
         text: str | None,
-        done: dict[str, Any] | None = None,
+        done: DoneMessage | None = None,
         logprobs: list[dict[str, Any]] | None = None,
         calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
@@ -505,7 +507,7 @@ class ResponseEvents:
         fields = {**item, "delta": text, "logprobs": logprobs or []}
         return event("response.output_text.delta", number, **fields)
 
-    def closing(self, done: dict[str, Any], before: Output) -> bytes:
+    def closing(self, done: DoneMessage, before: Output) -> bytes:
         """The events after the ``done``: the message's three, four per function call
         (added, its arguments' delta and done, done), the response's last. ``before``:
         what this reader had before its stream started (the resume's ``after``)."""

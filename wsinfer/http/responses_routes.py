@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from wsinfer.contract import ClientMessageType, TurnStatus
+from wsinfer.contract import ClientMessageType, ServerMessage, TurnStatus
 from wsinfer.http.connection import HttpRequest, HttpResponse
 from wsinfer.http.openai import (
     SESSION_HEADER,
@@ -106,7 +106,7 @@ class ResponsesRoutes:
             peer = self.app.open_peer()
             try:
                 await peer.handlers.handle(stop)
-                await peer.outcome(("done",), CONTROL_WAIT_S)
+                await peer.outcome(CONTROL_WAIT_S)
             finally:
                 self.app.close_peer(peer)
             info = await self._info(rid)
@@ -156,17 +156,16 @@ class ResponsesRoutes:
                 if message["type"] in ("done", "error"):
                     return
 
-    async def _event_for(self, events: ResponseEvents, message: dict[str, Any]) -> bytes:
-        kind = message["type"]
-        if kind == "delta":
+    async def _event_for(self, events: ResponseEvents, message: ServerMessage) -> bytes:
+        if message["type"] == "delta":
             calls = message.get("tool_calls")
             return events.delta(message["seq"], message["text"], message.get("logprobs"), calls)
-        if kind == "paused":  # a comment: the stream stays open and goes on when resumed
+        if message["type"] == "paused":  # a comment: the stream stays open and goes on when resumed
             return sse_comment(f"paused at seq {message['seq']}")
-        if kind == "done":
+        if message["type"] == "done":
             before = await self._output(events.view.rid, upto=events.seq_after)
             return events.closing(message, before)
-        if kind == "error":  # the follow failed (a refusal): OpenAI's error event ends it
+        if message["type"] == "error":  # the follow failed (a refusal): OpenAI's error ends it
             fields = {"code": message["code"], "message": message["message"], "param": None}
             return event("error", events.last + 1, **fields)
         return b""
