@@ -30,6 +30,7 @@ from wsinfer.engine.metrics import EngineMetrics
 from wsinfer.engine.model import LoadedModel, ModelLoadError, load_model
 from wsinfer.engine.outage import OutageGuard
 from wsinfer.engine.prompts import render_chat, render_text
+from wsinfer.preflight import StartupError, require_redis, serve_metrics
 from wsinfer.sessions.connect import sync_client
 from wsinfer.sessions.schema import (
     DEFAULT_SESSION_TTL_S,
@@ -50,7 +51,6 @@ from wsinfer.sessions.worker import (
     WorkerStore,
     WorkItem,
 )
-from wsinfer.startup import StartupError, require_redis, serve_metrics
 from wsinfer.tools import CLOSE, ToolCallParser, tool_names
 
 log = structlog.get_logger("wsinfer.engine")
