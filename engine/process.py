@@ -25,6 +25,7 @@ from wsinfer.contract import ErrorCode
 from wsinfer.engine.core import EngineConfig, EngineRequest, RequestOutput, build_core
 from wsinfer.engine.defaults import default_dtype, resolve_device
 from wsinfer.engine.fake import FakeLoaded, fake_engine, is_fake
+from wsinfer.engine.lifecycle import Core
 from wsinfer.engine.logprobs import wire_entries
 from wsinfer.engine.metrics import EngineMetrics
 from wsinfer.engine.model import LoadedModel, ModelLoadError, load_model
@@ -98,7 +99,7 @@ class ActiveTurn:
 class EngineProcess:
     def __init__(
         self,
-        core: Any,
+        core: Core,
         loaded: LoadedModel | FakeLoaded,
         store: WorkerStore,
         config: ProcessConfig,
@@ -551,7 +552,7 @@ def run_engine(
         device, dtype = resolve_device(device), default_dtype(device, dtype)
     log.info("loading model", model=model_spec or "default", device=device, dtype=dtype)
     started = time.monotonic()
-    core: Any
+    core: Core
     loaded: LoadedModel | FakeLoaded
     if is_fake(model_spec):
         core, loaded = fake_engine(str(model_spec), core_config)
