@@ -35,6 +35,7 @@ from wsinfer.preflight import StartupError, require_redis, serve_metrics
 from wsinfer.sessions.connect import sync_client
 from wsinfer.sessions.schema import (
     DEFAULT_SESSION_TTL_S,
+    Control,
     DeltaEvent,
     DoneEvent,
     GenerationParams,
@@ -257,8 +258,7 @@ class EngineProcess:
                 cache_key=session,
             )
         )
-        if claimed.control in ("stop", "pause"):
-            self.core.abort(request_id, pause=claimed.control == "pause")
+        self._abort_if_asked(request_id, claimed.control)
         context = len(prompt_ids) + len(generated)
         self.metrics.turn_started(
             request_id, context_tokens=context, resumed_at=seq, takeover=takeover
@@ -326,16 +326,25 @@ class EngineProcess:
             control, seen_at = states[key]
             self._apply_control(request_id, control, seen_at, wall)
 
-    def _apply_control(self, request_id: str, control: str, seen_at: float, wall: float) -> None:
+    def _apply_control(
+        self, request_id: str, control: Control, seen_at: float, wall: float
+    ) -> None:
         """Act on a turn's control flag (stop, pause) or on nobody watching it."""
         turn = self.active[request_id]
         turn.checked_at = time.monotonic()
-        if control in ("stop", "pause"):
-            self.core.abort(request_id, pause=control == "pause")
-        elif wall - seen_at > self.config.idle_pause_s and not turn.idle_paused:
+        if self._abort_if_asked(request_id, control):
+            return
+        if wall - seen_at > self.config.idle_pause_s and not turn.idle_paused:
             turn.idle_paused = True
             log.info("pausing idle turn", session=turn.session, turn=turn.turn)
             self.core.abort(request_id, pause=True)
+
+    def _abort_if_asked(self, request_id: str, control: Control) -> bool:
+        """End the request if its flag asks: a stop, or a pause that keeps its KV."""
+        if control not in (Control.STOP, Control.PAUSE):
+            return False
+        self.core.abort(request_id, pause=control == Control.PAUSE)
+        return True
 
     def _drop(self, request_id: str, *, forget_cache: bool = False, ack: bool = True) -> None:
         self.discard.add(request_id)
