@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 import torch
@@ -539,7 +538,9 @@ def _timing_event() -> torch.cuda.Event:
     return event
 
 
-def build_core(loaded: LoadedModel, config: EngineConfig | None = None) -> Any:
+def build_core(
+    loaded: LoadedModel, config: EngineConfig | None = None
+) -> EngineCore | EagerEngineCore:
     """The paged ``EngineCore`` where the model family is supported, else the eager one."""
     try:
         core = EngineCore(loaded, config)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +27,7 @@ from wsinfer.contract import ErrorCode, FinishReasonName
 from wsinfer.engine.core import EngineRequest, RequestOutput
 from wsinfer.engine.lifecycle import refused
 from wsinfer.engine.logprobs import TokenLogprob
+from wsinfer.engine.lru import RetainedLRU
 from wsinfer.sessions.schema import TurnError, Usage
 
 FAKE_PREFIX = "fake:"
@@ -104,39 +104,40 @@ class _Stream:
 
 
 class _FakeStore:
-    """The retained-KV LRU, sized in nominal bytes: the same budget logic as ``KVStore``."""
+    """Retained token ids in the cores' LRU (``lru.py``), sized in nominal bytes."""
 
     def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self.used_bytes = 0
-        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+        self.lru: RetainedLRU[list[int]] = RetainedLRU(budget_bytes, _nominal_bytes)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.lru.budget_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.lru.used_bytes
 
     def put(self, key: str, token_ids: list[int]) -> bool:
-        self.drop(key)
-        size = len(token_ids) * FAKE_KV_BYTES_PER_TOKEN
-        if not token_ids or size > self.budget_bytes:
+        if not token_ids:
+            self.lru.drop(key)
             return False
-        self._entries[key] = token_ids
-        self.used_bytes += size
-        while self.used_bytes > self.budget_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.used_bytes -= len(evicted) * FAKE_KV_BYTES_PER_TOKEN
-        return key in self._entries
+        return self.lru.put(key, token_ids)
 
     def take(self, key: str) -> list[int] | None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.used_bytes -= len(entry) * FAKE_KV_BYTES_PER_TOKEN
-        return entry
+        return self.lru.take(key)
 
     def length(self, key: str) -> int:
-        return len(self._entries.get(key, ()))
+        return len(self.lru.get(key) or ())
 
     def drop(self, key: str) -> None:
-        self.take(key)
+        self.lru.drop(key)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.lru)
+
+
+def _nominal_bytes(token_ids: list[int]) -> int:
+    return len(token_ids) * FAKE_KV_BYTES_PER_TOKEN
 
 
 class FakeCore:

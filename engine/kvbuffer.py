@@ -13,12 +13,13 @@ forward call.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from .lru import RetainedLRU
 
 # Columns added beyond what is needed when a buffer grows, at least.
 MIN_GROWTH = 64
@@ -213,47 +214,49 @@ class RetainedKV:
 
 
 class KVStore:
-    """LRU of retained per-session KV caches within a byte budget."""
+    """Retained per-session KV caches (copies of their tensors) within a byte budget."""
 
     def __init__(self, budget_bytes: int, offload_device: torch.device | None = None) -> None:
-        self.budget_bytes = budget_bytes
         self.offload_device = offload_device
-        self._entries: OrderedDict[str, RetainedKV] = OrderedDict()
-        self.used_bytes = 0
+        self.lru: RetainedLRU[RetainedKV] = RetainedLRU(budget_bytes, _entry_bytes)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.lru.budget_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.lru.used_bytes
 
     def put(self, key: str, entry: RetainedKV) -> bool:
         """Retain ``entry`` (evicting the least recently used); False if it cannot fit."""
-        self.drop(key)
+        self.lru.drop(key)
         if entry.nbytes > self.budget_bytes or not entry.token_ids:
             return False
         if self.offload_device is not None:
             entry = RetainedKV(entry.token_ids, _moved(entry.layers, self.offload_device))
-        self._entries[key] = entry
-        self.used_bytes += entry.nbytes
-        while self.used_bytes > self.budget_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.used_bytes -= evicted.nbytes
-        return key in self._entries
+        return self.lru.put(key, entry)
 
     def take(self, key: str) -> RetainedKV | None:
         """Remove and return ``key``'s entry: a running request owns its cache."""
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.used_bytes -= entry.nbytes
-        return entry
+        return self.lru.take(key)
 
     def length(self, key: str) -> int:
-        entry = self._entries.get(key)
+        entry = self.lru.get(key)
         return len(entry.token_ids) if entry is not None else 0
 
     def drop(self, key: str) -> None:
-        self.take(key)
+        self.lru.drop(key)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._entries
+        return key in self.lru
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.lru)
+
+
+def _entry_bytes(entry: RetainedKV) -> int:
+    return entry.nbytes
 
 
 def _moved(

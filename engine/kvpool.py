@@ -11,18 +11,19 @@ later prompt may share, is ``blocks.BlockAllocator``'s business.
 
 ``RetainedKV`` keeps the cache of a paused or finished turn for the session's
 next request: it holds its blocks in the pool (no copy), or, with offloading,
-a host copy. ``KVHandles`` is their LRU within a byte budget; the pool also
-evicts from it when running sequences need blocks.
+a host copy. ``KVHandles`` keeps them in the retained-KV LRU (``lru.py``)
+within a byte budget; the pool also evicts from it when running sequences
+need blocks.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from .blocks import BlockAllocator
+from .lru import RetainedLRU
 from .sampling import to_device
 
 SCRATCH_BLOCK = 0
@@ -120,19 +121,28 @@ class RetainedKV:
 
 
 class KVHandles:
-    """LRU of retained per-session KV caches within a byte budget."""
+    """Retained per-session KV caches within a byte budget: an entry dropped or
+    evicted gives its blocks back to the pool."""
 
     def __init__(self, pool: KVPool, budget_bytes: int, offload: torch.device | None) -> None:
         self.pool = pool
-        self.budget_bytes = budget_bytes
         self.offload = offload
-        self._entries: OrderedDict[str, RetainedKV] = OrderedDict()
-        self.used_bytes = 0
+        self.lru: RetainedLRU[RetainedKV] = RetainedLRU(
+            budget_bytes, _entry_bytes, lambda entry: pool.release(entry.blocks)
+        )
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.lru.budget_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.lru.used_bytes
 
     def put(self, key: str, token_ids: list[int], blocks: list[int]) -> bool:
         """Retain ``blocks`` (holding ``token_ids``) under ``key``; False (blocks released)
         if they cannot fit the budget."""
-        self.drop(key)
+        self.lru.drop(key)
         needed = self.pool.blocks_for(len(token_ids))
         self.pool.release(blocks[needed:])
         blocks = blocks[:needed]
@@ -145,39 +155,29 @@ class KVHandles:
             entry.host = self.pool.copy_out(blocks, len(token_ids), self.offload)
             self.pool.release(blocks)
             entry.blocks = []
-        self._entries[key] = entry
-        self.used_bytes += nbytes
-        while self.used_bytes > self.budget_bytes:
-            self.evict_oldest()
-        return key in self._entries
+        return self.lru.put(key, entry)
 
     def take(self, key: str) -> RetainedKV | None:
         """Remove and return ``key``'s entry: the resumed sequence now owns its blocks."""
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.used_bytes -= entry.nbytes
-        return entry
+        return self.lru.take(key)
 
     def evict_oldest(self) -> bool:
         """Free the least recently used entry's blocks; False if there is none."""
-        if not self._entries:
-            return False
-        _, entry = self._entries.popitem(last=False)
-        self.used_bytes -= entry.nbytes
-        self.pool.release(entry.blocks)
-        return True
+        return self.lru.evict_oldest()
 
     def length(self, key: str) -> int:
-        entry = self._entries.get(key)
+        entry = self.lru.get(key)
         return len(entry.token_ids) if entry is not None else 0
 
     def drop(self, key: str) -> None:
-        entry = self.take(key)
-        if entry is not None:
-            self.pool.release(entry.blocks)
+        self.lru.drop(key)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._entries
+        return key in self.lru
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.lru)
+
+
+def _entry_bytes(entry: RetainedKV) -> int:
+    return entry.nbytes

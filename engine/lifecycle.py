@@ -2,17 +2,18 @@
 
 An engine core (``EngineCore`` on the paged fast path, ``EagerEngineCore`` for
 any other transformers model) takes ``add`` / ``abort`` and returns
-``RequestOutput`` lists from ``step``. ``CoreBase`` owns the part that does not
-depend on how the forward pass runs: admission checks, rebuilding a request
-from its token log, accepting sampled tokens (end-of-sequence, stop strings,
-length), and building final outputs. Subclasses say how a sequence's KV is
-retained and how it leaves the batch.
+``RequestOutput`` lists from ``step``; ``Core`` is that API, typed. ``CoreBase``
+owns the part that does not depend on how the forward pass runs: admission
+checks, rebuilding a request from its token log, accepting sampled tokens
+(end-of-sequence, stop strings, length), and building final outputs.
+Subclasses say how a sequence's KV is retained and how it leaves the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -78,6 +79,36 @@ class RequestOutput:
     error: TurnError | None = None  # with finish_reason "error": its code, chosen here
     # With params.logprobs: one per new token but end-of-sequence ones (not content).
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Core(Protocol):
+    """What the engine process and its metrics use of a core: ``EngineCore``,
+    ``EagerEngineCore`` and the model-free ``fake.FakeCore`` all have it, and
+    the process holds none of them by its concrete type. Counters a core may
+    or may not keep (``preemptions``, ``pool``, ``store``) are read by name."""
+
+    def add(self, request: EngineRequest) -> None: ...
+
+    def abort(self, request_id: str, *, pause: bool = False) -> None:
+        """End the request at the next step; ``pause`` keeps its KV for a resume."""
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def cached_length(self, cache_key: str) -> int: ...
+
+    def drop_cache(self, cache_key: str) -> None: ...
+
+    @property
+    def token_bytes(self) -> Callable[[int], bytes]:
+        """A token's bytes, for logprobs entries."""
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
 
 
 @dataclass(eq=False)

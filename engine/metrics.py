@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from prometheus_client import (
@@ -37,6 +37,9 @@ from prometheus_client import (
 )
 
 from wsinfer.sessions.schema import DoneEvent, TurnEvent
+
+if TYPE_CHECKING:  # the type only: this module leaves torch (lifecycle's) unimported
+    from wsinfer.engine.lifecycle import Core
 
 log = structlog.get_logger("wsinfer.engine")
 disable_created_metrics()  # ``*_created`` samples double the exposition; nothing reads them
@@ -64,7 +67,7 @@ class _Turn:
 class EngineMetrics:
     def __init__(self, *, engine_id: str) -> None:
         self.engine_id = engine_id
-        self.core: Any = None  # set by attach(); the port may be up before the model loads
+        self.core: Core | None = None  # set by attach(); the port may be up before the model loads
         self.registry = r = CollectorRegistry()
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             r.register(collector)
@@ -223,7 +226,7 @@ class EngineMetrics:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         Gauge("wsinfer_engine_gpu_memory_total_bytes", "CUDA device memory", registry=r).set(total)
 
-    def attach(self, core: Any, model: str, device: str, max_batch_size: int = 0) -> None:
+    def attach(self, core: Core, model: str, device: str, max_batch_size: int = 0) -> None:
         self.core = core
         self.info.labels(engine=self.engine_id, model=model).set(1)
         self.max_batch.set(max_batch_size)

@@ -25,14 +25,17 @@ from wsinfer.contract import ErrorCode
 from wsinfer.engine.core import EngineConfig, EngineRequest, RequestOutput, build_core
 from wsinfer.engine.defaults import default_dtype, resolve_device
 from wsinfer.engine.fake import FakeLoaded, fake_engine, is_fake
+from wsinfer.engine.lifecycle import Core
 from wsinfer.engine.logprobs import wire_entries
 from wsinfer.engine.metrics import EngineMetrics
 from wsinfer.engine.model import LoadedModel, ModelLoadError, load_model
 from wsinfer.engine.outage import OutageGuard
 from wsinfer.engine.prompts import render_chat, render_text
+from wsinfer.preflight import StartupError, require_redis, serve_metrics
 from wsinfer.sessions.connect import sync_client
 from wsinfer.sessions.schema import (
     DEFAULT_SESSION_TTL_S,
+    Control,
     DeltaEvent,
     DoneEvent,
     GenerationParams,
@@ -50,7 +53,6 @@ from wsinfer.sessions.worker import (
     WorkerStore,
     WorkItem,
 )
-from wsinfer.startup import StartupError, require_redis, serve_metrics
 from wsinfer.tools import CLOSE, ToolCallParser, tool_names
 
 log = structlog.get_logger("wsinfer.engine")
@@ -98,7 +100,7 @@ class ActiveTurn:
 class EngineProcess:
     def __init__(
         self,
-        core: Any,
+        core: Core,
         loaded: LoadedModel | FakeLoaded,
         store: WorkerStore,
         config: ProcessConfig,
@@ -256,8 +258,7 @@ class EngineProcess:
                 cache_key=session,
             )
         )
-        if claimed.control in ("stop", "pause"):
-            self.core.abort(request_id, pause=claimed.control == "pause")
+        self._abort_if_asked(request_id, claimed.control)
         context = len(prompt_ids) + len(generated)
         self.metrics.turn_started(
             request_id, context_tokens=context, resumed_at=seq, takeover=takeover
@@ -325,16 +326,25 @@ class EngineProcess:
             control, seen_at = states[key]
             self._apply_control(request_id, control, seen_at, wall)
 
-    def _apply_control(self, request_id: str, control: str, seen_at: float, wall: float) -> None:
+    def _apply_control(
+        self, request_id: str, control: Control, seen_at: float, wall: float
+    ) -> None:
         """Act on a turn's control flag (stop, pause) or on nobody watching it."""
         turn = self.active[request_id]
         turn.checked_at = time.monotonic()
-        if control in ("stop", "pause"):
-            self.core.abort(request_id, pause=control == "pause")
-        elif wall - seen_at > self.config.idle_pause_s and not turn.idle_paused:
+        if self._abort_if_asked(request_id, control):
+            return
+        if wall - seen_at > self.config.idle_pause_s and not turn.idle_paused:
             turn.idle_paused = True
             log.info("pausing idle turn", session=turn.session, turn=turn.turn)
             self.core.abort(request_id, pause=True)
+
+    def _abort_if_asked(self, request_id: str, control: Control) -> bool:
+        """End the request if its flag asks: a stop, or a pause that keeps its KV."""
+        if control not in (Control.STOP, Control.PAUSE):
+            return False
+        self.core.abort(request_id, pause=control == Control.PAUSE)
+        return True
 
     def _drop(self, request_id: str, *, forget_cache: bool = False, ack: bool = True) -> None:
         self.discard.add(request_id)
@@ -551,7 +561,7 @@ def run_engine(
         device, dtype = resolve_device(device), default_dtype(device, dtype)
     log.info("loading model", model=model_spec or "default", device=device, dtype=dtype)
     started = time.monotonic()
-    core: Any
+    core: Core
     loaded: LoadedModel | FakeLoaded
     if is_fake(model_spec):
         core, loaded = fake_engine(str(model_spec), core_config)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any, Literal, TypeVar
 
 import msgpack
@@ -278,6 +279,24 @@ class TurnInput:
         return cls(**data)
 
 
+class Control(str, Enum):
+    """A turn's ``control`` flag (a meta-hash field): what a client asked of the
+    engine running the turn, which acts on it between steps. The ``CONTROL``
+    script writes it from its ``control:<value>`` effect; a requeue clears it."""
+
+    NONE = ""
+    STOP = "stop"
+    PAUSE = "pause"
+
+    @classmethod
+    def of(cls, value: str) -> Control:
+        """The flag ``value`` names; one this version does not know asks nothing."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.NONE
+
+
 @dataclass(frozen=True)
 class SessionMeta:
     """A session's meta hash (``keys.meta``), typed.
@@ -296,7 +315,7 @@ class SessionMeta:
     turn: int = 0  # the latest turn; the status below is its status
     status: str = ""
     seq: int = 0  # the last event's seq in the latest turn's stream
-    control: str = ""  # stop | pause, asked of the engine running the turn
+    control: str = ""  # a Control: stop | pause, asked of the engine running the turn
     engine: str = ""  # the engine running the turn ('' when none)
     epoch: int = 0  # bumped by every claim: fences an engine taken over
     claimed_at: float = 0.0

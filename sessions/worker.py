@@ -19,6 +19,7 @@ from wsinfer.sessions import keys, scripts
 from wsinfer.sessions.connect import is_cluster
 from wsinfer.sessions.schema import (
     DEFAULT_SESSION_TTL_S,
+    Control,
     DeltaEvent,
     DoneEvent,
     PausedEvent,
@@ -53,7 +54,7 @@ class ClaimedTurn:
     session: str
     turn: int
     epoch: int
-    control: str
+    control: Control
     meta: SessionMeta
 
 
@@ -156,7 +157,7 @@ class PendingPublish:
 @dataclass(frozen=True)
 class PublishResult:
     outcome: str  # ok | fenced | not_found | illegal | gap
-    control: str = ""
+    control: Control = Control.NONE
     seen_at: float = 0.0
 
 
@@ -334,7 +335,8 @@ class WorkerStore:
         if flat[0] != "ok":
             return None
         meta = SessionMeta.from_hash(dict(zip(flat[1::2], flat[2::2], strict=True)))
-        return ClaimedTurn(request.session, request.turn, meta.epoch, meta.control, meta)
+        control = Control.of(meta.control)
+        return ClaimedTurn(request.session, request.turn, meta.epoch, control, meta)
 
     def load_history(self, session: str, turn: int) -> TurnHistory:
         current = self._turn_input(session, turn)
@@ -457,15 +459,15 @@ class WorkerStore:
     def _publish_result(reply: list[str]) -> PublishResult:
         if reply[0] != "ok":
             return PublishResult(reply[0])
-        return PublishResult("ok", reply[1], float(reply[2] or 0))
+        return PublishResult("ok", Control.of(reply[1]), float(reply[2] or 0))
 
-    def poll(self, sessions: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[str, float]]:
+    def poll(self, sessions: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[Control, float]]:
         """Control flag and last-watched time of each turn; missing = session gone."""
         pipe = self.redis.pipeline(transaction=False)
         for session, _ in sessions:
             pipe.hmget(keys.meta(session), ["turn", "control", "seen_at"])
-        out: dict[tuple[str, int], tuple[str, float]] = {}
+        out: dict[tuple[str, int], tuple[Control, float]] = {}
         for key, (turn, control, seen_at) in zip(sessions, pipe.execute(), strict=True):
             if turn is not None and int(turn) == key[1]:
-                out[key] = (as_str(control or ""), float(seen_at or 0))
+                out[key] = (Control.of(as_str(control or "")), float(seen_at or 0))
         return out

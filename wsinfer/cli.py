@@ -43,7 +43,7 @@ class HelpFormatter(argparse.HelpFormatter):
         ):
             return text
         if isinstance(default, str) and "://" in default:
-            from wsinfer.startup import redact  # a Redis URL from the environment: no password
+            from wsinfer.preflight import redact  # a Redis URL from the environment: no password
 
             return f"{text} (default: {redact(default)})".replace("%", "%%")
         return f"{text} (default: %(default)s)"
@@ -555,7 +555,7 @@ def run_engine_command(args: argparse.Namespace) -> int:
 
 
 def _chat_template_text(path: str | None) -> str | None:
-    from wsinfer.startup import StartupError
+    from wsinfer.preflight import StartupError
 
     if path is None:
         return None
@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return chat.run(args)
     from wsinfer.logs import configure_logging
-    from wsinfer.startup import StartupError
+    from wsinfer.preflight import StartupError
 
     configure_logging(args.log_format, args.log_level)
     runners = {"serve": run_serve, "frontend": run_frontend, "engine": run_engine_command}

@@ -1,69 +1,20 @@
-"""Start-up checks: a problem an operator can fix becomes one clear line and exit 1.
+"""The frontend's start-up: check Redis, then listen, each failure one clear line.
 
-A busy port or an unreachable Redis is found before anything slow happens
-(the engine checks before loading its model) and reported as a
-``StartupError``, which ``cli.main`` logs as a single line.
+The checks every process makes (Redis reachable, a port free) are
+``wsinfer/preflight.py``'s, shared with the engine; this module is the
+frontend's alone.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from typing import TYPE_CHECKING
 
-import redis
-import redis.asyncio as aioredis
+from wsinfer.preflight import listen_error, require_redis_async
 
 if TYPE_CHECKING:
     from websockets.asyncio.server import Server
 
     from wsinfer.server import Frontend
-
-REDIS_CHECK_TIMEOUT_S = 5.0
-
-
-class StartupError(Exception):
-    """Something outside wsinfer keeps it from starting; the message says what."""
-
-
-def redact(url: str) -> str:
-    """The URL without its password, fit for a log line."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=f"{user}{host}{port}"))
-
-
-def _redis_error(url: str, exc: BaseException) -> StartupError:
-    reason = str(exc) or type(exc).__name__
-    return StartupError(f"cannot reach Redis at {redact(url)}: {reason}")
-
-
-def require_redis(url: str) -> None:
-    """Redis at ``url`` answers a PING."""
-    from wsinfer.sessions.connect import sync_client  # any URL form: cluster, sentinel
-
-    try:
-        client = sync_client(url, connect_timeout_s=REDIS_CHECK_TIMEOUT_S)
-        client.ping()
-    except (redis.RedisError, OSError, ValueError) as exc:
-        raise _redis_error(url, exc) from None
-    client.close()
-
-
-async def require_redis_async(client: aioredis.Redis, url: str) -> None:
-    try:
-        await asyncio.wait_for(client.ping(), REDIS_CHECK_TIMEOUT_S)
-    except (aioredis.RedisError, OSError, asyncio.TimeoutError) as exc:
-        raise _redis_error(url, exc) from None
-
-
-def listen_error(what: str, host: str, port: int, exc: OSError) -> StartupError:
-    reason = exc.strerror or str(exc)
-    return StartupError(f"cannot listen on {host}:{port} for {what}: {reason}")
 
 
 async def start_frontend(frontend: Frontend) -> Server:
@@ -74,11 +25,3 @@ async def start_frontend(frontend: Frontend) -> Server:
         return await frontend.start()
     except OSError as exc:
         raise listen_error("WebSocket clients", config.host, config.port, exc) from None
-
-
-def serve_metrics(metrics: Any, host: str, port: int) -> int:
-    """Serve an engine's /metrics; the port it got."""
-    try:
-        return int(metrics.serve(port, host))
-    except OSError as exc:
-        raise listen_error("metrics", host, port, exc) from None

@@ -193,7 +193,7 @@ def test_the_paged_pool_and_core_counters_are_exported(tiny: Any) -> None:
     samples = core_samples(core)
     assert samples["wsinfer_engine_kv_pool_blocks"] == 9
     # Both kept caches hold the same prompt's blocks (shared by the prefix cache).
-    held = len({b for e in core.store._entries.values() for b in e.blocks})
+    held = len({b for e in core.store.lru.values() for b in e.blocks})
     assert held > 0 and samples["wsinfer_engine_kv_pool_free_blocks"] == 9 - 1 - held
     assert samples["wsinfer_engine_kv_cache_usage_perc"] == pytest.approx((1 + held) / 9)
     assert samples["wsinfer_engine_preemptions_total"] >= 1

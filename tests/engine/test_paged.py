@@ -65,7 +65,7 @@ def test_async_steps_and_graph_buckets_match_the_reference(
 
 
 def _retained_blocks(core: EngineCore) -> int:
-    return sum(len(e.blocks) for e in core.store._entries.values())
+    return sum(len(e.blocks) for e in core.store.lru.values())
 
 
 def test_async_steps_hand_out_a_step_later_and_stop_at_the_limit(tiny: LoadedModel) -> None:
@@ -119,8 +119,8 @@ def test_retained_kv_stays_in_the_pool_and_is_reused_without_copying(tiny: Loade
     ids = [5] * 40
     core.add(request("a", ids, GREEDY, cache_key="s"))
     first = tokens_of(run_all(core)["a"])
-    entry = core.store._entries["s"]
-    assert len(entry.token_ids) == 40 + 11 and entry.host is None
+    entry = core.store.lru.get("s")
+    assert entry is not None and len(entry.token_ids) == 40 + 11 and entry.host is None
     assert len(entry.blocks) == core.pool.blocks_for(51)
     held = list(entry.blocks)
     follow = ids + first + [7, 8]

@@ -273,7 +273,9 @@ def test_a_turn_continued_inside_a_shared_block_writes_into_a_copy(tiny: LoadedM
     core = EngineCore(tiny, EngineConfig(prefill_chunk_tokens=512))
     core.add(request("a1", SYSTEM, greedy(10), cache_key="a"))
     answer = tokens_of(run_all(core)["a1"])
-    held = core.store._entries["a"].blocks
+    kept = core.store.lru.get("a")
+    assert kept is not None
+    held = kept.blocks
     conversation = SYSTEM + answer  # 210 tokens: blocks 0-12 full and registered
     core.add(request("b", conversation + [77] * 20, greedy(30), cache_key="b"))
     first = core.step()  # b admitted, sharing a's 13 full blocks

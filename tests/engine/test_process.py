@@ -34,14 +34,16 @@ def test_words_in_a_message_do_not_choose_its_code() -> None:
     assert _failed(None).error == TurnError(ErrorCode.INTERNAL, "generation failed")
 
 
-def test_the_engine_process_does_not_import_the_frontends_store() -> None:
+def test_the_engine_process_does_not_import_the_frontends_modules() -> None:
     # redis itself imports redis.asyncio; what the engine must not load is the
-    # frontend's asyncio store (it did, through sessions/worker.py).
+    # frontend's asyncio store (it did, through sessions/worker.py), nor its
+    # start-up (the checks both share are wsinfer/preflight.py's).
     probe = "import json, sys, wsinfer.engine.process; print(json.dumps(list(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     loaded = set(json.loads(out.stdout))
     assert "wsinfer.engine.process" in loaded
     assert "wsinfer.sessions.store" not in loaded
+    assert "wsinfer.startup" not in loaded and "wsinfer.server" not in loaded
 
 
 def test_a_deltas_logprobs_cross_redis_and_a_delta_without_them_has_no_key() -> None:
