@@ -32,6 +32,7 @@ from __future__ import annotations
 from string import Template
 
 from wsinfer.contract import TurnStatus
+from wsinfer.sessions.schema import Control
 from wsinfer.sessions.states import FLAG_PREFIX, Effect
 
 # What ``$NAME`` stands for in the scripts: $STATUS_DONE, $EFFECT_CANCEL,
@@ -39,7 +40,7 @@ from wsinfer.sessions.states import FLAG_PREFIX, Effect
 _NAMES = {
     **{f"STATUS_{status.name}": status.value for status in TurnStatus},
     **{f"EFFECT_{effect.name}": effect.value for effect in Effect},
-    **{effect.name: effect.flag for effect in Effect if effect.flag},
+    **{f"FLAG_{flag.name}": flag.value for flag in Control if flag.value},
     "FLAG_PREFIX": FLAG_PREFIX,
 }
 

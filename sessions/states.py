@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from wsinfer.contract import ClientMessageType, ServerMessageType, TurnStatus
+from wsinfer.sessions.schema import Control
 
 
 class Action(str, Enum):
@@ -66,16 +67,18 @@ class Effect(str, Enum):
     """What the store does to a turn a control applies to: the CONTROL script's
     effect codes (``scripts.py`` is rendered with these values)."""
 
-    FLAG_STOP = FLAG_PREFIX + "stop"  # running: the engine stops it between two steps
-    FLAG_PAUSE = FLAG_PREFIX + "pause"  # running: the engine pauses it between two steps
+    FLAG_STOP = FLAG_PREFIX + Control.STOP.value  # running: the engine stops it between steps
+    FLAG_PAUSE = FLAG_PREFIX + Control.PAUSE.value  # running: the engine pauses it between steps
     CANCEL = "done_cancelled"  # not running: ended now, with a cancelled ``done``
     PAUSE = "paused"  # not yet running: paused before any engine takes it
     REQUEUE = "requeue"  # paused: queued again (the frontend writes the work item)
 
     @property
-    def flag(self) -> str:
-        """The meta's ``control`` field this effect sets for the engine ('' for none)."""
-        return self.value.removeprefix(FLAG_PREFIX) if self.value.startswith(FLAG_PREFIX) else ""
+    def flag(self) -> Control:
+        """The meta's ``control`` flag this effect sets for the engine (NONE: none)."""
+        if not self.value.startswith(FLAG_PREFIX):
+            return Control.NONE
+        return Control(self.value.removeprefix(FLAG_PREFIX))
 
 
 @dataclass(frozen=True)

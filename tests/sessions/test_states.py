@@ -11,6 +11,7 @@ import pytest
 
 from wsinfer.contract import ClientMessageType, ServerMessageType, TurnStatus
 from wsinfer.sessions import scripts
+from wsinfer.sessions.schema import Control
 from wsinfer.sessions.states import (
     ANSWERS,
     CONTROL,
@@ -62,13 +63,14 @@ def test_flags_are_the_effects_that_leave_the_turn_to_its_engine() -> None:
     for (_, status), rule in CONTROL.items():
         if rule.effect is not None and rule.effect.flag:
             assert status is TurnStatus.RUNNING and rule.leads_to is TurnStatus.RUNNING
-    assert {e.flag for e in Effect if e.flag} == {"stop", "pause"}
+    assert {e.flag for e in Effect if e.flag} == {Control.STOP, Control.PAUSE}
 
 
 def test_the_scripts_spell_no_status_or_effect_of_their_own() -> None:
     """Every status and effect a script compares with comes from the enums."""
     source = Path(scripts.__file__).read_text()
-    values = {s.value for s in TurnStatus} | {e.value for e in Effect} | {"stop", "pause"}
+    values = {s.value for s in TurnStatus} | {e.value for e in Effect}
+    values |= {c.value for c in Control if c.value}
     quoted = {m for m in re.findall(r"'([a-z_:]+)'", source) if m in values}
     assert quoted == set()
     assert "$" not in scripts.CONTROL + scripts.START_TURN + scripts.PUBLISH + scripts.CLOSE
