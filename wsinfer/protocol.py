@@ -47,7 +47,6 @@ from wsinfer.contract import (
     ErrorCode,
     FinishReason,
     ServerMessage,
-    ServerMessageType,
     TurnStatus,
 )
 from wsinfer.errors import Conflict, NotFound, Overloaded, WsinferError
@@ -351,13 +350,15 @@ class ConnectionProtocol:
 
     # --- output ---------------------------------------------------------------------
 
-    def _queue(self, message: Any) -> None:  # a ServerMessage, its fields read generically
+    def _queue(self, message: ServerMessage) -> None:
         self._outbox.append(message)
-        self.outbox_bytes += _MESSAGE_OVERHEAD + len(message.get("text", ""))
-        for call in message.get("tool_calls") or ():
-            self.outbox_bytes += _MESSAGE_OVERHEAD + len(call["function"]["arguments"])
-        for entry in message.get("logprobs") or ():
-            self.outbox_bytes += _LOGPROB_BYTES * (1 + len(entry["top_logprobs"]))
+        self.outbox_bytes += _MESSAGE_OVERHEAD
+        if message["type"] == "delta":
+            self.outbox_bytes += len(message["text"])
+            for call in message.get("tool_calls") or ():
+                self.outbox_bytes += _MESSAGE_OVERHEAD + len(call["function"]["arguments"])
+            for entry in message.get("logprobs") or ():
+                self.outbox_bytes += _LOGPROB_BYTES * (1 + len(entry["top_logprobs"]))
 
     def data_to_send(self) -> list[Outgoing]:
         messages, self._outbox = _coalesce(self._outbox), []
@@ -405,29 +406,31 @@ def _reaction_to_refusal(action: ClientMessageType, current: str) -> Outcome:
     return reaction
 
 
-_DELTA = ServerMessageType.DELTA.value  # read once: the merge loop runs per message
-
 # Bytes a message costs beyond its text (keys, ids, framing), for the budget.
 _MESSAGE_OVERHEAD = 96
 # About what one logprobs entry (or one of its top_logprobs) takes as JSON.
 _LOGPROB_BYTES = 64
 
 
-def _coalesce(messages: list[Any]) -> list[Any]:  # ServerMessages, merged as maps
+def _coalesce(messages: list[ServerMessage]) -> list[ServerMessage]:
     """Merge runs of deltas of the same turn: one frame, the latest seq, all text (and
     all logprobs entries, in order).
 
     Texts are joined once per run (not pairwise), so a long replay stays linear.
     """
-    out: list[Any] = []
+    out: list[ServerMessage] = []
     texts: list[str] = []  # the texts of the run of deltas that ends ``out``
     entries: list[dict[str, Any]] = []  # and their logprobs entries
     for message in messages:
+        if message["type"] != "delta":
+            _close_run(out, texts, entries)
+            texts, entries = [], []
+            out.append(message)
+            continue
         prev = out[-1] if out else None
         if (
             prev is not None
-            and message["type"] == _DELTA
-            and prev["type"] == _DELTA
+            and prev["type"] == "delta"
             and prev["session"] == message["session"]
             and prev["turn"] == message["turn"]
             and "tool_calls" not in prev  # a call stays where it came, between texts
@@ -435,19 +438,22 @@ def _coalesce(messages: list[Any]) -> list[Any]:  # ServerMessages, merged as ma
         ):
             texts.append(message["text"])
             entries.extend(message.get("logprobs") or ())
-            out[-1] = {**prev, "seq": message["seq"]}
+            merged = prev.copy()  # ours to change: the run's text is joined into it
+            merged["seq"] = message["seq"]
+            out[-1] = merged
             continue
         _close_run(out, texts, entries)
-        texts = [message["text"]] if message["type"] == _DELTA else []
+        texts = [message["text"]]
         entries = list(message.get("logprobs") or ())
         out.append(message)
     _close_run(out, texts, entries)
     return out
 
 
-def _close_run(out: list[Any], texts: list[str], entries: list[dict[str, Any]]) -> None:
+def _close_run(out: list[ServerMessage], texts: list[str], entries: list[dict[str, Any]]) -> None:
     """Give the merged delta ending ``out`` its run's text and entries."""
-    if len(texts) > 1:
-        out[-1]["text"] = "".join(texts)
+    last = out[-1] if out else None
+    if len(texts) > 1 and last is not None and last["type"] == "delta":
+        last["text"] = "".join(texts)
         if entries:
-            out[-1]["logprobs"] = entries
+            last["logprobs"] = entries
