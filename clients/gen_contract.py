@@ -49,6 +49,10 @@ def render() -> str:
     for enum in ENUMS:
         parts.append(_frozen(enum.__name__, {m.name: m.value for m in enum}))
     parts.append(_frozen("CloseCode", _close_codes()))
+    answers: dict[str, object] = {
+        k.value: [a.value for a in v] for k, v in contract.CONTROL_ANSWERS.items()
+    }
+    parts.append(_frozen("CONTROL_ANSWERS", answers))
     parts.append(f"export const IDEMPOTENCY_KEY_HEX = {contract.IDEMPOTENCY_KEY_HEX};\n")
     return "\n".join(parts)
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from wsinfer.clients.errors import ClientClosed, ConnectionLost, WsinferError, error_from_wire
 from wsinfer.contract import (
+    CONTROL_ANSWERS,
     IDEMPOTENCY_KEY_HEX,
     ClientMessageType,
     DeltaMessage,
@@ -178,6 +179,12 @@ class StatusEvent:
 
 TurnChange = TextDelta | TurnPaused | TurnEnded | StatusEvent
 
+# Whether a turn has had a message of each kind applied (the kinds that follow a turn).
+_SEEN: dict[ServerMessageType, Callable[[TurnState], bool]] = {
+    ServerMessageType.PAUSED: lambda state: state.paused,
+    ServerMessageType.DONE: lambda state: state.done,
+}
+
 _STATUS_AFTER = {
     ServerMessageType.DELTA.value: TurnStatus.RUNNING,
     ServerMessageType.PAUSED.value: TurnStatus.PAUSED,
@@ -230,6 +237,11 @@ class TurnState:
     @property
     def paused(self) -> bool:
         return self.status is TurnStatus.PAUSED
+
+    def answered(self, control: ClientMessageType) -> bool:
+        """Whether a message that answers ``control`` (``contract.CONTROL_ANSWERS``)
+        has been applied: a stop's ``done``; a pause's ``paused`` or ``done``."""
+        return any(_SEEN[answer](self) for answer in CONTROL_ANSWERS[control] if answer in _SEEN)
 
     @property
     def live(self) -> bool:

@@ -170,7 +170,8 @@ class Turn:
         ack = new_ack()
         await self._client.send_control(self, ClientMessageType.STOP, ack)
         if wait:
-            await self._until(lambda: self.finished, ack)
+            answered = self.state.answered
+            await self._until(lambda: self.finished or answered(ClientMessageType.STOP), ack)
         return self.finish_reason
 
     async def pause(self) -> int:
@@ -180,7 +181,8 @@ class Turn:
             return self.seq
         ack = new_ack()
         await self._client.send_control(self, ClientMessageType.PAUSE, ack)
-        await self._until(lambda: self.paused or self.finished, ack)
+        answered = self.state.answered
+        await self._until(lambda: self.finished or answered(ClientMessageType.PAUSE), ack)
         return self.seq
 
     async def resume(self) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from wsinfer.contract import ClientMessageType, ServerMessageType, TurnStatus
+from wsinfer.contract import ClientMessageType, TurnStatus
 from wsinfer.sessions.schema import Control
 
 
@@ -113,15 +113,6 @@ CONTROL: dict[tuple[ClientMessageType, TurnStatus], ControlRule] = {
     (_M.RESUME, _S.RUNNING): ControlRule(Outcome.NOTHING),
     (_M.RESUME, _S.PAUSED): _apply(Action.RESUME, Effect.REQUEUE, _S.QUEUED),
     (_M.RESUME, _S.DONE): ControlRule(Outcome.NOTHING),  # its history is replayed
-}
-
-# What the requester of each control waits for, as a follower of the turn: a
-# stop ends in the turn's ``done``; a pause in ``paused``, or ``done`` if the
-# turn ended first; a resume is answered ``session`` (then the turn's messages).
-ANSWERS: dict[ClientMessageType, tuple[ServerMessageType, ...]] = {
-    _M.STOP: (ServerMessageType.DONE,),
-    _M.PAUSE: (ServerMessageType.PAUSED, ServerMessageType.DONE),
-    _M.RESUME: (ServerMessageType.SESSION,),
 }
 
 

@@ -37,6 +37,18 @@ class ServerMessageType(str, Enum):
     ERROR = "error"
 
 
+# What answers a control of a turn to the client that sent it, which follows the
+# turn as any follower does: a stop ends in the turn's ``done``; a pause in
+# ``paused``, or ``done`` if the turn ended first; a resume is answered
+# ``session`` (then the turn's messages). The server's control table
+# (``sessions/states.py``), its HTTP routes and the clients read it.
+CONTROL_ANSWERS: dict[ClientMessageType, tuple[ServerMessageType, ...]] = {
+    ClientMessageType.STOP: (ServerMessageType.DONE,),
+    ClientMessageType.PAUSE: (ServerMessageType.PAUSED, ServerMessageType.DONE),
+    ClientMessageType.RESUME: (ServerMessageType.SESSION,),
+}
+
+
 class ErrorCode(str, Enum):
     """Codes of ``error`` messages and of ``done.error``, chosen where the
     error happens and carried across processes as they are."""

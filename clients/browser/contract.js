@@ -58,4 +58,10 @@ export const CloseCode = Object.freeze({
   SERVICE_RESTART: 1012,
 });
 
+export const CONTROL_ANSWERS = Object.freeze({
+  stop: ["done"],
+  pause: ["paused", "done"],
+  resume: ["session"],
+});
+
 export const IDEMPOTENCY_KEY_HEX = 32;

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from wsinfer.contract import ClientMessageType, ServerMessageType, TurnStatus
+from wsinfer.contract import CONTROL_ANSWERS, ClientMessageType, ServerMessageType, TurnStatus
 from wsinfer.sessions import scripts
 from wsinfer.sessions.schema import Control
 from wsinfer.sessions.states import (
-    ANSWERS,
     CONTROL,
     TRANSITIONS,
     Effect,
@@ -31,7 +30,7 @@ def test_every_control_has_a_rule_for_every_status_a_lookup_finds(
     message: ClientMessageType,
 ) -> None:
     assert {status for (msg, status) in CONTROL if msg is message} == set(LOOKED_UP)
-    assert message in ANSWERS
+    assert message in CONTROL_ANSWERS
 
 
 @pytest.mark.parametrize(("message", "status"), sorted(CONTROL, key=str))
@@ -56,7 +55,7 @@ def test_the_docs_clarifications() -> None:
     assert CONTROL[(ClientMessageType.PAUSE, TurnStatus.PAUSED)].outcome is Outcome.REPORT_PAUSED
     for status in (TurnStatus.QUEUED, TurnStatus.RUNNING, TurnStatus.DONE):
         assert CONTROL[(ClientMessageType.RESUME, status)].outcome is Outcome.NOTHING
-    assert ANSWERS[ClientMessageType.STOP] == (ServerMessageType.DONE,)
+    assert CONTROL_ANSWERS[ClientMessageType.STOP] == (ServerMessageType.DONE,)
 
 
 def test_flags_are_the_effects_that_leave_the_turn_to_its_engine() -> None:

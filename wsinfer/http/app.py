@@ -27,7 +27,7 @@ from wsinfer.access import (
     request_path,
     shorten,
 )
-from wsinfer.contract import ClientMessageType, ServerMessageType, TurnStatus
+from wsinfer.contract import CONTROL_ANSWERS, ClientMessageType, ServerMessageType, TurnStatus
 from wsinfer.handlers import to_protocol_error
 from wsinfer.http.choices import ManyChoices
 from wsinfer.http.completions import TextCompletion, parse_completion_request
@@ -50,7 +50,6 @@ from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
 from wsinfer.http.responses import loggable
 from wsinfer.http.responses_routes import ResponsesRoutes
 from wsinfer.messages import Resume, SessionCommand
-from wsinfer.sessions.states import ANSWERS
 
 if TYPE_CHECKING:
     from wsinfer.server import Frontend
@@ -342,7 +341,7 @@ class HttpApp:
             await peer.handlers.handle(command)
             # A stop ends in done; a pause in paused, or done if the turn ended first.
             # (The replay may show an older pause of a turn resumed since: not the answer.)
-            paused = ServerMessageType.PAUSED in ANSWERS[command.type]
+            paused = ServerMessageType.PAUSED in CONTROL_ANSWERS[command.type]
             outcome = await peer.outcome(CONTROL_WAIT_S, paused=paused)
         finally:
             self.close_peer(peer)
