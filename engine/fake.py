@@ -27,7 +27,7 @@ from wsinfer.contract import ErrorCode, FinishReasonName
 from wsinfer.engine.core import EngineRequest, RequestOutput
 from wsinfer.engine.lifecycle import refused
 from wsinfer.engine.logprobs import TokenLogprob
-from wsinfer.engine.lru import RetainedLRU
+from wsinfer.engine.lru import LRUBacked, RetainedLRU
 from wsinfer.sessions.schema import TurnError, Usage
 
 FAKE_PREFIX = "fake:"
@@ -103,19 +103,11 @@ class _Stream:
     tail: str = ""  # recent text, to find stop strings that span tokens
 
 
-class _FakeStore:
+class _FakeStore(LRUBacked):
     """Retained token ids in the cores' LRU (``lru.py``), sized in nominal bytes."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.lru: RetainedLRU[list[int]] = RetainedLRU(budget_bytes, _nominal_bytes)
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.lru.budget_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self.lru.used_bytes
 
     def put(self, key: str, token_ids: list[int]) -> bool:
         if not token_ids:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .lru import RetainedLRU
+from .lru import LRUBacked, RetainedLRU
 
 # Columns added beyond what is needed when a buffer grows, at least.
 MIN_GROWTH = 64
@@ -213,20 +213,12 @@ class RetainedKV:
         )
 
 
-class KVStore:
+class KVStore(LRUBacked):
     """Retained per-session KV caches (copies of their tensors) within a byte budget."""
 
     def __init__(self, budget_bytes: int, offload_device: torch.device | None = None) -> None:
         self.offload_device = offload_device
         self.lru: RetainedLRU[RetainedKV] = RetainedLRU(budget_bytes, _entry_bytes)
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.lru.budget_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self.lru.used_bytes
 
     def put(self, key: str, entry: RetainedKV) -> bool:
         """Retain ``entry`` (evicting the least recently used); False if it cannot fit."""

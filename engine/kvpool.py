@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .blocks import BlockAllocator
-from .lru import RetainedLRU
+from .lru import LRUBacked, RetainedLRU
 from .sampling import to_device
 
 SCRATCH_BLOCK = 0
@@ -120,7 +120,7 @@ class RetainedKV:
     nbytes: int = 0
 
 
-class KVHandles:
+class KVHandles(LRUBacked):
     """Retained per-session KV caches within a byte budget: an entry dropped or
     evicted gives its blocks back to the pool."""
 
@@ -130,14 +130,6 @@ class KVHandles:
         self.lru: RetainedLRU[RetainedKV] = RetainedLRU(
             budget_bytes, _entry_bytes, lambda entry: pool.release(entry.blocks)
         )
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.lru.budget_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self.lru.used_bytes
 
     def put(self, key: str, token_ids: list[int], blocks: list[int]) -> bool:
         """Retain ``blocks`` (holding ``token_ids``) under ``key``; False (blocks released)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 V = TypeVar("V")
 
@@ -91,3 +91,18 @@ class RetainedLRU(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class LRUBacked:
+    """A store whose entries live in ``self.lru``: its budget and use, as the
+    engine's metrics read them, are the LRU's."""
+
+    lru: RetainedLRU[Any]
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.lru.budget_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.lru.used_bytes
