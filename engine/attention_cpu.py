@@ -17,8 +17,9 @@ How, in torch ops whose order of arithmetic was measured not to move
   the padded keys, read in place from the gathered slots. The CPU BLAS computes
   each element as one dot product of length D in a fixed order for any number of
   key columns and rows, and any M that is a multiple of 4: it multiplies 4 query
-  rows at a time, and a remainder of 1 to 3 rows (M of 1 to 3, or a thread's
-  share of M = 6) another way. M is padded to ``QUERY_ROWS``'s next multiple.
+  rows at a time, and (on the AVX2 machines measured; not on some AVX-512 ones)
+  a remainder of 1 to 3 rows (M of 1 to 3, or a thread's share of M = 6) another
+  way. M is padded to ``QUERY_ROWS``'s next multiple.
 - softmax over the padded row, masked slots -inf: torch's kernel accumulates
   lane by lane in index order, so padding adds exact zeros and changes nothing,
   once a row holds at least 16 slots (the key length is padded to whole chunks).

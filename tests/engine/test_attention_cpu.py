@@ -75,14 +75,16 @@ def test_a_matmul_row_is_the_same_in_any_product_whose_rows_are_a_multiple_of_4(
             assert torch.equal(out, all_out[rows]), (m, start)
 
 
-def test_a_remainder_of_rows_is_multiplied_another_way() -> None:
-    """Why M is padded: without it, these rows would not be the same bits."""
+def remainder_multiplied_another_way() -> bool:
+    """Why M is padded: whether this CPU's BLAS gives 3 query rows alone other bits
+    than the same rows among 64 (measured so on AVX2 machines; some AVX-512 ones
+    multiply them alike, and the padding then changes nothing)."""
     gen = torch.Generator().manual_seed(1)
     queries = torch.randn(64, HEAD_DIM, generator=gen)
     keys = torch.randn(CHUNK, HEAD_DIM, generator=gen)
     whole = torch.bmm(queries[None], keys[None].transpose(1, 2))[0]
     alone = torch.bmm(queries[None, :3], keys[None].transpose(1, 2))[0]
-    assert not torch.equal(alone, whole[:3])
+    return not torch.equal(alone, whole[:3])
 
 
 def test_a_fixed_shape_matmul_does_not_depend_on_its_batch(threads: int) -> None:
@@ -243,6 +245,8 @@ def test_the_start_up_check_passes_here_and_fails_without_the_padded_query_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert batch_invariant_here(9, 3, 64, 16)
+    if not remainder_multiplied_another_way():
+        pytest.skip("this CPU's BLAS multiplies 1 to 3 rows as it does 4: no padding needed")
     monkeypatch.setattr(attention_cpu, "QUERY_ROWS", 1)  # decode's 3 rows: another kernel
     assert not batch_invariant_here.__wrapped__(9, 3, 64, 16)
 
