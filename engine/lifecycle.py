@@ -21,7 +21,7 @@ from wsinfer.contract import ErrorCode, FinishReasonName
 from wsinfer.response_format import ResponseFormatError
 from wsinfer.sessions.schema import GenerationParams, TurnError, Usage
 
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import Detokenizer, Detokenizers
 from .grammar import Constraint, Grammars
 from .logprobs import TokenBytes, TokenLogprob
 from .model import LoadedModel
@@ -117,7 +117,7 @@ class Sequence:
 
     request: EngineRequest
     tokens: list[int]  # prompt + generated so far (as known on the host)
-    detok: IncrementalDetokenizer
+    detok: Detokenizer
     seed: int
     num_generated: int
     computed: int = 0  # leading tokens whose KV exists
@@ -146,6 +146,7 @@ class CoreBase:
         self._immediate: dict[str, RequestOutput] = {}  # outputs due at the next step
         self._aborts: dict[str, bool] = {}  # request id -> pause
         self.token_bytes = TokenBytes(loaded.tokenizer)  # for logprobs entries
+        self.detokenizers = Detokenizers(loaded.tokenizer)
 
     # --- public API ---------------------------------------------------------
 
@@ -212,7 +213,7 @@ class CoreBase:
 
     def _new_sequence(self, request: EngineRequest) -> Any:
         params = request.params
-        detok = IncrementalDetokenizer(self.loaded.tokenizer, request.prompt_ids, params.stop)
+        detok = self.detokenizers.new(request.prompt_ids, params.stop)
         ends = self._ends(params)
         for token in request.generated_ids:
             # Rebuild the detokenizer: its text up to here was already published.
