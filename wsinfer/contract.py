@@ -112,8 +112,10 @@ class TurnStatus(str, Enum):
 
 
 # The statuses and error codes as types too, for the maps below (held to the enums
-# by a test, like FinishReasonName).
-TurnStatusName = Literal["new", "queued", "running", "paused", "done"]
+# by a test, like FinishReasonName). A client is told of a turn's status only once
+# the turn exists: ``SessionMessage`` carries a ``WireStatusName``, never ``new``.
+WireStatusName = Literal["queued", "running", "paused", "done"]
+TurnStatusName = Literal["new", WireStatusName]
 ErrorCodeName = Literal[
     "bad_request",
     "unauthorized",
@@ -144,7 +146,7 @@ class SessionMessage(_Answer):
     session: str
     token: str
     turn: int
-    status: TurnStatusName
+    status: WireStatusName
 
 
 class _DeltaExtras(TypedDict, total=False):

@@ -283,6 +283,8 @@ _PARSERS: dict[str, Any] = {
 def session_message(
     session: str, token: str, turn: int, status: TurnStatus, msg_id: str | int | None
 ) -> SessionMessage:
+    if status is TurnStatus.NEW:  # a session answer names a turn, so it exists
+        raise ValueError("a session message needs a turn that exists")
     message: SessionMessage = {
         "type": ServerMessageType.SESSION.value,
         "session": session,

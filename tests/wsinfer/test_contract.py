@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from wsinfer import contract
+from wsinfer.messages import session_message
 
 DOC = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
 
@@ -75,3 +76,13 @@ def test_the_server_message_types_are_one_per_message_type() -> None:
     assert sorted(typing.get_args(t)[0] for t in tags) == sorted(
         _values(contract.ServerMessageType)
     )
+
+
+def test_a_session_message_never_says_new() -> None:
+    """``new`` is the status of a session that does not exist: no client is told it
+    (a type error where a caller could pass it, and refused here if one did)."""
+    assert "new" not in typing.get_args(contract.WireStatusName)
+    with pytest.raises(ValueError, match="turn that exists"):
+        session_message("s", "t", 1, contract.TurnStatus.NEW, None)
+    for status in set(contract.TurnStatus) - {contract.TurnStatus.NEW}:
+        assert session_message("s", "t", 1, status, None)["status"] == status.value
