@@ -25,9 +25,13 @@ from wsinfer.engine.lifecycle import EngineRequest
 from wsinfer.engine.model import LoadedModel, load_model
 from wsinfer.engine.sampling import GenerationParams
 
-MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu")
+# The weights' matmuls; the attention's own ops (engine/attention_cpu.py: the KV
+# gather, scores, softmax, probabilities times values, the chunks' fold; SDPA on
+# other paths) are counted apart.
+MATMULS = ("aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu")
 MATMULS += ("aten::_weight_int8pack_mm",)
-ATTENTION = ("scaled_dot_product", "aten::einsum")
+ATTENTION = ("aten::baddbmm", "aten::bmm", "aten::_softmax", "aten::index_select")
+ATTENTION += ("aten::cumsum", "scaled_dot_product")
 PROMPT = "Tell me a story about a dragon."
 
 
@@ -56,7 +60,7 @@ def shares(profile: Any) -> tuple[float, float, float]:
         kind = "other"
         if event.key in MATMULS:
             kind = "mm"
-        elif any(name in event.key for name in ATTENTION):
+        elif event.key in ATTENTION or "scaled_dot_product" in event.key:
             kind = "attention"
         totals[kind] += event.self_cpu_time_total
     whole = sum(totals.values()) or 1.0
