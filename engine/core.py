@@ -28,7 +28,7 @@ import structlog
 import torch
 
 from .attention_cpu import batch_invariant_here
-from .batch import DecodeRows
+from .batch import DecodeRows, PrefillPiece
 from .blocks import ROOT
 from .eager import EagerEngineCore
 from .grammar import Grammars
@@ -39,7 +39,7 @@ from .llama import FastLlama, UnsupportedModel, fast_model_for
 from .logprobs import HostLogprobs, host_copy
 from .model import LoadedModel
 from .quant import cpu_quantized_model
-from .runner import ModelRunner, PrefillPiece
+from .runner import ModelRunner
 from .sampling import RowSampling, Variant, to_device, variant_of
 
 __all__ = ["EngineConfig", "EngineCore", "EngineRequest", "RequestOutput", "build_core"]
