@@ -1,6 +1,6 @@
 """What a step computes, on the host: the decode rows and the prefill pieces.
 
-``core.EngineCore`` fills both; ``runner.ModelRunner`` runs them.
+``scheduler.Scheduler`` fills both; ``runner.ModelRunner`` runs them.
 ``DecodeRows`` is the decode batch, one row per running sequence. Rows are
 stable while a sequence runs (a leaving row is filled by the last one), so a
 step touches only what changed: the block table gains an entry every
