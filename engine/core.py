@@ -1,7 +1,7 @@
 """EngineCore: continuous batching over a paged KV pool, decode as CUDA graphs.
 
 Knows nothing of transport: ``add`` / ``abort`` requests, call ``step`` in a
-loop, publish its outputs. Each step
+loop, publish its outputs. Each step (``lifecycle.CoreBase.step``)
 
 1. ends pending aborts and pauses (their KV is retained in the pool);
 2. asks the ``scheduler.Scheduler`` what to run: it admits waiting requests
@@ -89,6 +89,7 @@ class EngineCore(CoreBase):
             cfg.graph_batch_sizes, sorted(loaded.eos_token_ids),
         )  # fmt: skip
         self.async_steps = on_cuda if cfg.async_steps is None else cfg.async_steps
+        self._launched: _Launch | None = None  # this step's, until handed on
         self._pending: _Launch | None = None  # async steps: the last step's, not yet handed out
         self._variant: Variant | None = None  # of the decode rows; None: recompute
         self._hosts = [self._host_buffer() for _ in range(2)]
@@ -147,24 +148,6 @@ class EngineCore(CoreBase):
 
     # --- public API ---------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        outputs = list(self._immediate.values())
-        self._immediate.clear()
-        with torch.inference_mode():
-            outputs += self._process_aborts()
-            try:
-                launch = self._launch()
-            except Exception as exc:  # a failed forward must end its requests, not hang them
-                outputs += self._fail_all(f"{type(exc).__name__}: {exc}")
-                launch = None
-            if self.async_steps:
-                previous, self._pending = self._pending, launch
-            else:
-                previous = launch
-            if previous is not None:
-                outputs += self._process(previous)
-        return outputs
-
     def has_unfinished(self) -> bool:
         return bool(self._seqs or self._immediate or self._pending)
 
@@ -200,6 +183,23 @@ class EngineCore(CoreBase):
     def prefix_cache_hits(self) -> int:
         """Of those, tokens a kept or shared KV cache spared (vllm:prefix_cache_hits)."""
         return self.scheduler.prefix_cache_hits
+
+    # --- the step (``CoreBase.step``) --------------------------------------------------
+
+    def _forward(self) -> list[RequestOutput]:
+        """Launch this step; its tokens are handed out by ``_after_forward``."""
+        self._launched = self._launch()
+        return []
+
+    def _after_forward(self) -> list[RequestOutput]:
+        """Hand out the tokens of the step before (async steps) or of this one; a failed
+        launch left none (and ``_fail_all`` dropped the pending one)."""
+        launch, self._launched = self._launched, None
+        if self.async_steps:
+            previous, self._pending = self._pending, launch
+        else:
+            previous = launch
+        return self._process(previous) if previous is not None else []
 
     # --- admission -----------------------------------------------------------------
 
