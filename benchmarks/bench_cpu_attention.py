@@ -30,6 +30,7 @@ import torch
 from wsinfer.engine import runner
 from wsinfer.engine.attention import decode_attention
 from wsinfer.engine.attention_cpu import InvariantAttention
+from wsinfer.engine.batch import PrefillPiece
 from wsinfer.engine.core import EngineConfig, EngineCore
 from wsinfer.engine.lifecycle import EngineRequest
 from wsinfer.engine.model import LoadedModel, load_model
@@ -77,8 +78,8 @@ def layer_table(rounds: int) -> str:
         lines.append(f"| decode | {rows} x 1 | {context} | {a * 1e6:.0f} | {b * 1e6:.0f} | "
                      f"{b / a:.2f}x |")  # fmt: skip
     for width, context in PREFILL:
-        pieces = [runner.PrefillPiece(None, list(range(context)), tables[0].tolist(),
-                                      context - width, context)]  # fmt: skip
+        pieces = [PrefillPiece(None, list(range(context)), tables[0].tolist(),
+                               context - width, context)]  # fmt: skip
         q = torch.randn(width, Q_HEADS, HEAD_DIM, generator=gen)
         kv = torch.randn(width, KV_HEADS, HEAD_DIM, generator=gen)
         times = []

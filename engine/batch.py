@@ -1,14 +1,17 @@
-"""The decode batch as host arrays: one row per running sequence.
+"""What a step computes, on the host: the decode rows and the prefill pieces.
 
-Rows are stable while a sequence runs (a leaving row is filled by the last
-one), so a step touches only what changed: the block table gains an entry every
+``scheduler.Scheduler`` fills both; ``runner.ModelRunner`` runs them.
+``DecodeRows`` is the decode batch, one row per running sequence. Rows are
+stable while a sequence runs (a leaving row is filled by the last one), so a
+step touches only what changed: the block table gains an entry every
 ``block_size`` tokens, sampling parameters change when rows join or move.
-Everything here is numpy on the host; ``runner.ModelRunner`` copies it to the
-device buffers that the CUDA graphs read.
+Everything here is numpy on the host; the runner copies it to the device
+buffers that the CUDA graphs read.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -80,3 +83,14 @@ class DecodeRows:
         pos = self.positions[:rows]
         blocks = self.block_table[np.arange(rows), pos // self.block_size]
         return blocks.astype(np.int64) * self.block_size + pos % self.block_size
+
+
+@dataclass
+class PrefillPiece:
+    """Tokens ``start:end`` of one sequence's context, in one prefill forward."""
+
+    seq: Any
+    tokens: list[int]  # the sequence's whole known context
+    blocks: list[int]
+    start: int
+    end: int

@@ -66,18 +66,6 @@ class EagerEngineCore(CoreBase):
 
     # --- public API ---------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        outputs = list(self._immediate.values())
-        self._immediate.clear()
-        with torch.inference_mode():
-            outputs += self._process_aborts()
-            try:
-                outputs += self._forward_and_sample()
-            except Exception as exc:  # a failed forward must end its requests, not hang them
-                outputs += self._fail_all(f"{type(exc).__name__}: {exc}")
-            self._maybe_compact()
-        return outputs
-
     @property
     def num_running(self) -> int:
         return len(self._rows)
@@ -93,9 +81,10 @@ class EagerEngineCore(CoreBase):
     def _enqueue(self, seq: _Sequence) -> None:
         self._waiting.append(seq)
 
-    # --- the step --------------------------------------------------------------
+    # --- the step (``CoreBase.step``) --------------------------------------------------
 
-    def _forward_and_sample(self) -> list[RequestOutput]:
+    def _forward(self) -> list[RequestOutput]:
+        """A decode forward over the running rows and a chunk of prefill, sampled as one."""
         seqs: list[_Sequence] = []
         logits: list[torch.Tensor] = []
         if self._rows:
@@ -264,6 +253,10 @@ class EagerEngineCore(CoreBase):
         elif seq in self._waiting:
             self._waiting.remove(seq)
         seq.group = None
+
+    def _after_forward(self) -> list[RequestOutput]:
+        self._maybe_compact()
+        return []
 
     def _maybe_compact(self) -> None:
         """Drop left padding that every row shares (left behind by a long row that ended)."""

@@ -3,10 +3,12 @@
 An engine core (``EngineCore`` on the paged fast path, ``EagerEngineCore`` for
 any other transformers model) takes ``add`` / ``abort`` and returns
 ``RequestOutput`` lists from ``step``; ``Core`` is that API, typed. ``CoreBase``
-owns the part that does not depend on how the forward pass runs: admission
-checks, rebuilding a request from its token log, accepting sampled tokens
-(end-of-sequence, stop strings, length), and building final outputs.
-Subclasses say how a sequence's KV is retained and how it leaves the batch.
+owns the part that does not depend on how the forward pass runs: the step's
+skeleton (aborts, the forward, what a failed forward does to its requests),
+admission checks, rebuilding a request from its token log, accepting sampled
+tokens (end-of-sequence, stop strings, length), and building final outputs.
+Subclasses run the forward and say how a sequence's KV is retained and how it
+leaves the batch.
 """
 
 from __future__ import annotations
@@ -175,6 +177,18 @@ class CoreBase:
         if request_id in self._seqs:
             self._aborts[request_id] = pause
 
+    def step(self) -> list[RequestOutput]:
+        outputs = list(self._immediate.values())
+        self._immediate.clear()
+        with torch.inference_mode():
+            outputs += self._process_aborts()
+            try:
+                outputs += self._forward()
+            except Exception as exc:  # a failed forward must end its requests, not hang them
+                outputs += self._fail_all(f"{type(exc).__name__}: {exc}")
+            outputs += self._after_forward()
+        return outputs
+
     def has_unfinished(self) -> bool:
         return bool(self._seqs or self._immediate)
 
@@ -186,6 +200,18 @@ class CoreBase:
         self.store.drop(cache_key)
 
     # --- for subclasses ----------------------------------------------------------
+
+    def _forward(self) -> list[RequestOutput]:
+        """The step's model work; the outputs it has for now."""
+        raise NotImplementedError
+
+    def _after_forward(self) -> list[RequestOutput]:
+        """What follows the forward, failed or not (outside its error handling)."""
+        return []
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        """End every running request: the forward failed with ``message``."""
+        raise NotImplementedError
 
     def _enqueue(self, seq: Any) -> None:
         raise NotImplementedError

@@ -17,7 +17,6 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ from wsinfer.sessions.schema import GenerationParams
 
 from .attention import decode_attention, prefill_softcapped_attention
 from .attention_cpu import InvariantAttention, TiledAttention
-from .batch import DecodeRows
+from .batch import DecodeRows, PrefillPiece
 from .grammar import apply_bitmask
 from .kvpool import KVPool
 from .llama import FastLlama
@@ -105,17 +104,6 @@ class DecodeContext:
             max_len=self.max_len,
             softcap=self.softcap,
         )
-
-
-@dataclass
-class PrefillPiece:
-    """Tokens ``start:end`` of one sequence's context, in one prefill forward."""
-
-    seq: Any
-    tokens: list[int]  # the sequence's whole known context
-    blocks: list[int]
-    start: int
-    end: int
 
 
 class PrefillContext:

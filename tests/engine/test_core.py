@@ -10,6 +10,7 @@ import torch
 from tests.engine.conftest import run_all, text_of, tokens_of
 from wsinfer.contract import ErrorCode
 from wsinfer.engine.core import EngineConfig, EngineCore, EngineRequest, RequestOutput
+from wsinfer.engine.eager import EagerEngineCore
 from wsinfer.engine.model import LoadedModel
 from wsinfer.engine.prompts import render_chat
 from wsinfer.sessions.schema import GenerationParams
@@ -399,10 +400,14 @@ def test_more_requests_than_slots_queue_up(tiny: LoadedModel) -> None:
         assert tokens_of(outputs[f"r{i}"]) == reference_greedy(tiny, row, 4 + i)
 
 
+@pytest.mark.parametrize("kind", ["paged", "paged-async", "eager"])
 def test_a_failing_forward_ends_its_requests_and_the_engine_recovers(
-    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    core = EngineCore(tiny)
+    # Both cores share the step (CoreBase.step); the paged one, with async steps, also
+    # holds the last step's tokens, which a failure must drop with its requests.
+    config = EngineConfig(async_steps=kind == "paged-async")
+    core: Any = EagerEngineCore(tiny, config) if kind == "eager" else EngineCore(tiny, config)
     core.add(request("a", [5, 6, 7]))
     core.step()
     original = core.model.forward
