@@ -57,14 +57,13 @@ class _StopStrings:
     stop string."""
 
     def __init__(self, stop: tuple[str, ...] | list[str]) -> None:
-        self.stop = tuple(s for s in stop if s)
-        self.matcher = StopStrings(self.stop)
+        self.matcher = StopStrings(tuple(s for s in stop if s))
         self.text = ""
         self.emitted = 0
         self.stopped = False
 
     def _release(self) -> str:
-        if self.stop:
+        if self.matcher.stop:
             cut = self.matcher.find(self.text, self.emitted)
             if cut is not None:
                 self.stopped = True
@@ -167,8 +166,8 @@ class TokenPieces:
     """A byte-level vocabulary's token id -> the bytes ``decode`` gives it (memoized):
     special tokens give none (decoding skips them), other added tokens their text."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.token_bytes = TokenBytes(tokenizer)
+    def __init__(self, tokenizer: Any, token_bytes: TokenBytes | None = None) -> None:
+        self.token_bytes = token_bytes or TokenBytes(tokenizer)
         self.byte_level = self.token_bytes.byte_level
         self.cache: dict[int, bytes] = {}
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
@@ -184,11 +183,12 @@ class TokenPieces:
 
 
 class Detokenizers:
-    """Makes each turn's detokenizer, the byte decoder where the tokenizer allows it."""
+    """Makes each turn's detokenizer, the byte decoder where the tokenizer allows it.
+    ``token_bytes``: the core's own, for logprobs (one memo of a token's bytes)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, token_bytes: TokenBytes | None = None) -> None:
         self.tokenizer = tokenizer
-        pieces = TokenPieces(tokenizer)
+        pieces = TokenPieces(tokenizer, token_bytes)
         self.pieces: TokenPieces | None = pieces if _agrees(tokenizer, pieces) else None
 
     @property

@@ -148,7 +148,7 @@ class CoreBase:
         self._immediate: dict[str, RequestOutput] = {}  # outputs due at the next step
         self._aborts: dict[str, bool] = {}  # request id -> pause
         self.token_bytes = TokenBytes(loaded.tokenizer)  # for logprobs entries
-        self.detokenizers = Detokenizers(loaded.tokenizer)
+        self.detokenizers = Detokenizers(loaded.tokenizer, self.token_bytes)
 
     # --- public API ---------------------------------------------------------
 

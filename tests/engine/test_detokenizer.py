@@ -14,6 +14,7 @@ from wsinfer.engine.detokenizer import (
     StopStrings,
     TokenPieces,
 )
+from wsinfer.engine.logprobs import TokenBytes
 
 Make = Callable[..., Detokenizer]
 
@@ -184,3 +185,10 @@ def test_the_byte_decoder_is_chosen_only_where_it_agrees(tokenizer: Any) -> None
     chosen = Detokenizers(CleaningUp())
     assert not chosen.byte_level
     assert isinstance(chosen.new([1, 2], ()), IncrementalDetokenizer)
+
+
+def test_the_byte_table_reads_the_cores_token_bytes(tokenizer: Any) -> None:
+    """One memo of a token's bytes serves logprobs and detokenizing alike."""
+    token_bytes = TokenBytes(tokenizer)
+    chosen = Detokenizers(tokenizer, token_bytes)
+    assert chosen.pieces is not None and chosen.pieces.token_bytes is token_bytes
