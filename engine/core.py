@@ -248,8 +248,9 @@ class EngineCore(CoreBase):
         self.runner.prefill(step.prefill, draws, logprobs, allowed)
         base = self.runner.max_rows  # where the runner put their first tokens
         joined = self.scheduler.prefilled(step.prefill, base)
+        if joined:
+            self._variant = None  # the rows' sampling parameters changed
         for j, seq in enumerate(joined):
-            self._variant = None
             if seq.request.params.repetition_penalty != 1.0:
                 assert seq.row is not None
                 self.runner.reset_seen(seq.row, seq.tokens, base + j)
