@@ -37,3 +37,22 @@ def interpreted(module: str, *args: str) -> str:
 @needs_triton
 def test_fused_kernels_match_torch_and_do_not_depend_on_the_batch() -> None:
     assert interpreted("tests.engine.fused_cases").startswith("ok:")
+
+
+# The fused forward's decode step: per layer its 4 matmuls, the paged attention, the
+# rotary + KV write, two add + RMSNorms and SiLU * mul (the torch forward's: 32, the
+# count before the kernels, from the same script); outside the layers the embedding,
+# the first norm, the logits, the sampling and the step's own indexing.
+MAX_KERNELS_PER_LAYER, MAX_KERNELS_OUTSIDE = 9, 11
+
+
+@needs_triton
+def test_a_decode_step_on_the_gpu_path_launches_few_kernels_and_never_syncs() -> None:
+    """tests/engine/kernel_count.py runs the padded decode step (the CUDA graph's program)
+    of tiny models with the GPU's kernels under the interpreter, counting the aten ops and
+    Triton launches; it also checks the fused forward against the torch one."""
+    lines = interpreted("tests.engine.kernel_count").splitlines()
+    assert lines[-1] == "ok", lines
+    counts = dict(line.split(": ") for line in lines[:-1])
+    layer, outside = (int(part.split()[0]) for part in counts["fused"].split(" + "))
+    assert layer <= MAX_KERNELS_PER_LAYER and outside <= MAX_KERNELS_OUTSIDE, counts
