@@ -129,6 +129,8 @@ def rope_cache_triton(
         raise ValueError(f"head_dim {head_dim}: powers of two, rotary over all of it only")
     if qkv.stride(1) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("qkv and the pools need a contiguous last dimension")
+    if positions.stride(0) != 1 or slots.stride(0) != 1:  # the kernel reads them densely
+        raise ValueError("positions and slots need to be contiguous")
     q = torch.empty((tokens, q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q

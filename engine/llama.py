@@ -10,6 +10,10 @@ Supported: the families of ``families.py`` (Llama, SmolLM2, Mistral, Qwen2/3,
 OLMo-2, Phi-3, Gemma 2/3). Weights are shared with the transformers model, not copied: q/k/v
 and gate/up are fused into one matrix each and the model's own parameters are
 re-pointed at views of the fused ones.
+
+On CUDA the plain pre-norm families run through fused Triton kernels instead
+(``engine/fused.py``); this torch forward is the CPU's, the other families', and
+those kernels' reference.
 """
 
 from __future__ import annotations
