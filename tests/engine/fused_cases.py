@@ -4,7 +4,9 @@ CPU interpreter (tests/engine/test_fused.py does):
 
     TRITON_INTERPRET=1 python -m tests.engine.fused_cases
 
-(the variable must be set before triton is imported, hence a separate process).
+(the variable must be set before triton is imported, hence a separate process). On a
+CUDA machine, without the variable, the same checks run on the GPU
+(benchmarks/gpu/run_on_device.sh fused).
 
 The interpreter rounds fp32 to bf16 otherwise than a GPU (it truncates), so bf16
 results are compared within bf16's tolerance, not bit for bit; batch invariance is
@@ -13,6 +15,7 @@ compared bit for bit everywhere.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -23,6 +26,8 @@ from wsinfer.engine.fused_triton import add_rms_norm_triton, rope_cache_triton, 
 from wsinfer.engine.llama import rms_norm, rotary
 
 DTYPES = (torch.float32, torch.bfloat16)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 Check = Callable[[torch.dtype, torch.Generator], list[str]]
 
 
@@ -52,9 +57,9 @@ def invariant(name: str, batched: torch.Tensor, rows: list[torch.Tensor]) -> lis
 def check_add_rms_norm(dtype: torch.dtype, gen: torch.Generator) -> list[str]:
     hidden = 96  # not a power of two: the tile's padded lanes must not count
     scale = 10.0 ** torch.randint(-3, 4, (7, 1), generator=gen)
-    x = (torch.randn(7, hidden, generator=gen) * scale).to(dtype)
-    res = torch.randn(7, hidden, generator=gen).to(dtype)
-    weight = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype)
+    x = (torch.randn(7, hidden, generator=gen) * scale).to(DEVICE, dtype)
+    res = torch.randn(7, hidden, generator=gen).to(DEVICE, dtype)
+    weight = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
     total, out = add_rms_norm_triton(x, res, weight, 1e-5)
     problems = close("residual sum", total, x + res)
     problems += close("add + rms_norm", out, rms_norm(x + res, weight, 1e-5))
@@ -68,7 +73,7 @@ def check_add_rms_norm(dtype: torch.dtype, gen: torch.Generator) -> list[str]:
 
 def check_silu_mul(dtype: torch.dtype, gen: torch.Generator) -> list[str]:
     width = 1500  # two programs per row, the second partly masked
-    gate_up = (3 * torch.randn(5, 2 * width, generator=gen)).to(dtype)
+    gate_up = (3 * torch.randn(5, 2 * width, generator=gen)).to(DEVICE, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     out = silu_mul_triton(gate_up)
     rows = [silu_mul_triton(gate_up[i : i + 1]) for i in range(5)]
@@ -77,12 +82,14 @@ def check_silu_mul(dtype: torch.dtype, gen: torch.Generator) -> list[str]:
 
 def check_rope_cache(dtype: torch.dtype, gen: torch.Generator) -> list[str]:
     q_heads, kv_heads, dim, n = 6, 2, 32, 5
-    qkv = torch.randn(n, (q_heads + 2 * kv_heads) * dim + 8, generator=gen).to(dtype)
+    qkv = torch.randn(n, (q_heads + 2 * kv_heads) * dim + 8, generator=gen).to(DEVICE, dtype)
     qkv = qkv[:, :-8]  # a row stride wider than the row
-    cos = torch.randn(64, dim, generator=gen).to(dtype)
-    sin = torch.randn(64, dim, generator=gen).to(dtype)
-    positions, slots = torch.tensor([3, 0, 17, 63, 5]), torch.tensor([1, 9, 30, 2, 14])
-    pools = [torch.full((4, 8, kv_heads, dim), float("nan"), dtype=dtype) for _ in range(2)]
+    cos = torch.randn(64, dim, generator=gen).to(DEVICE, dtype)
+    sin = torch.randn(64, dim, generator=gen).to(DEVICE, dtype)
+    positions = torch.tensor([3, 0, 17, 63, 5], device=DEVICE)
+    slots = torch.tensor([1, 9, 30, 2, 14], device=DEVICE)
+    pools = [torch.full((4, 8, kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE)
+             for _ in range(2)]  # fmt: skip
     q = rope_cache_triton(qkv, positions, cos, sin, slots, *pools, q_heads)
     heads = qkv[:, : (q_heads + kv_heads) * dim].view(n, -1, dim)
     want = rotary(heads, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
@@ -114,5 +121,5 @@ def check_all() -> list[str]:
 
 if __name__ == "__main__":
     problems = check_all()
-    print("\n".join(problems) or f"ok: {len(CHECKS) * len(DTYPES)} cases")
+    print("\n".join(problems) or f"ok: {len(CHECKS) * len(DTYPES)} cases on {DEVICE}")
     sys.exit(1 if problems else 0)
