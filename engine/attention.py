@@ -51,7 +51,7 @@ def decode_attention(
     Returns ``[B, Hq, D]`` in q's dtype.
     """
     check_shapes(q, k_cache, v_cache, block_tables, seq_lens, out)
-    if q.is_cuda and triton_available() and softcap is None:
+    if on_triton(q) and softcap is None:
         from wsinfer.engine.attention_triton import decode_attention_triton
 
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
@@ -63,6 +63,12 @@ def decode_attention(
 @functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def on_triton(t: torch.Tensor) -> bool:
+    """Whether ``t``'s attention runs the Triton kernels: CUDA tensors, with Triton.
+    (One switch, which tests turn on to run the GPU's program under the interpreter.)"""
+    return t.is_cuda and triton_available()
 
 
 def check_shapes(
@@ -271,7 +277,7 @@ def write_kv(
             f"k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slots.shape)} do not fit "
             f"the pool {tuple(k_cache.shape)}"
         )
-    if k.is_cuda and triton_available():
+    if on_triton(k):
         from wsinfer.engine.attention_triton import write_kv_triton
 
         write_kv_triton(k_cache, v_cache, slots, k, v)

@@ -10,6 +10,10 @@ Supported: the families of ``families.py`` (Llama, SmolLM2, Mistral, Qwen2/3,
 OLMo-2, Phi-3, Gemma 2/3). Weights are shared with the transformers model, not copied: q/k/v
 and gate/up are fused into one matrix each and the model's own parameters are
 re-pointed at views of the fused ones.
+
+On CUDA the plain pre-norm families run through fused Triton kernels instead
+(``engine/fused.py``); this torch forward is the CPU's, the other families', and
+those kernels' reference.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from .attention import soft_cap
 from .families import FAMILIES, Family, UnsupportedModel, activation_of, family_of
+from .fused import covers, fused_forward, on_fused_path
 
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 __all__ = ["FastLlama", "SUPPORTED_MODEL_TYPES", "UnsupportedModel", "fast_model_for"]
@@ -34,6 +39,24 @@ class AttentionContext(Protocol):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Store ``k``/``v`` [N, Hkv, D] in the cache; attention output for ``q`` [N, Hq, D]."""
+        ...
+
+
+class KVPoolLayers(Protocol):
+    k: torch.Tensor  # [layers, blocks, block_size, kv_heads, head_dim]
+    v: torch.Tensor
+
+
+@runtime_checkable
+class CachedAttention(AttentionContext, Protocol):
+    """An attention context that lets the caller store k/v itself (the fused rotary
+    kernel writes them straight into ``pool`` at ``slots``), then attends."""
+
+    pool: KVPoolLayers
+    slots: torch.Tensor  # [N] flat slot of each token
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention output for ``q`` [N, Hq, D] over the cache, k/v already stored."""
         ...
 
 
@@ -247,11 +270,15 @@ class FastLlama:
             inner, config, max_positions, self.dtype, self.device
         )
         self.cos, self.sin = self.tables[0]
+        # Whether CUDA tensors may take the fused kernels (engine/fused.py).
+        self.fusable = covers(self)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionContext
     ) -> torch.Tensor:
         """Final hidden states [N, hidden] of the flattened tokens."""
+        if self.fusable and on_fused_path(self.embed) and isinstance(attention, CachedAttention):
+            return fused_forward(self, input_ids, positions, attention)
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale

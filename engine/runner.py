@@ -83,6 +83,10 @@ class DecodeContext:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.pool.write(layer, self.slots, k, v)
+        return self.attend(layer, q)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` over the pool, this step's keys and values already in it."""
         if self.invariant:
             if self._plan is None:
                 self._plan = InvariantAttention(
@@ -90,7 +94,7 @@ class DecodeContext:
                     (self.seq_lens.long() - 1)[:, None],
                     self.pool.block_size,
                     q.shape[1],
-                    k.shape[1],
+                    self.pool.k.shape[3],
                 )
             out = self._plan(q[:, None], self.pool.k[layer], self.pool.v[layer], self.scale)
             return out[:, 0].to(q.dtype)
@@ -150,12 +154,16 @@ class PrefillContext:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.pool.write(layer, self.slots, k, v)
+        return self.attend(layer, q)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` over the pool, these chunks' keys and values already in it."""
         heads, dim = q.shape[1], q.shape[2]
         padded = q.new_zeros(self.rows * self.width, heads, dim)
         padded[self.pad_index] = q
         if self.query_pos is not None:
             if self.plan is None:
-                bs, kv_heads = self.pool.block_size, k.shape[1]
+                bs, kv_heads = self.pool.block_size, self.pool.k.shape[3]
                 self.plan = TiledAttention(self.table, self.query_pos, bs, heads, kv_heads)
             out = self.plan(
                 padded.view(self.rows, self.width, heads, dim),

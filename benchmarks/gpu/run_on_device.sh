@@ -2,14 +2,15 @@
 # On the GPU machine, in the repository root, with .gpu/ carried (benchmarks/gpu/prepare.sh):
 #   benchmarks/gpu/run_on_device.sh STAGE
 # STAGE: attention (kernel checks, graph replay, bandwidth; ~3 min), sampling (the Triton
-# race against the torch path on the GPU, then bench_sampling: ~2 min), engine (bench_engine
+# race against the torch path on the GPU, then bench_sampling: ~2 min), fused (the fused
+# layer kernels against the torch ops on the GPU, row alone vs batched), engine (bench_engine
 # section c; ENGINE_ARGS e.g. "--gpu-batches 1,16,64"), serve (bench_serve on the random
 # 1B model; SERVE_ARGS e.g. "--streams 64,256"), or check (installs, then imports every
 # wsinfer module and dependency: benchmarks/gpu/check_imports.py).
 # Each stage installs again: a device machine keeps nothing between calls. Results go to
 # $OUT (the device tool brings them back) or ./gpu-out.
 set -euo pipefail
-stage=${1:?usage: run_on_device.sh attention|sampling|engine|serve|check}
+stage=${1:?usage: run_on_device.sh attention|sampling|fused|engine|serve|check}
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 site=/tmp/wsinfer-site
@@ -48,6 +49,8 @@ case $stage in
   sampling)
     { python3 -m tests.engine.sampling_cases; python3 benchmarks/gpu/bench_sampling.py; } 2>&1 \
       | tee "$out/sampling.md" ;;
+  fused)
+    python3 -m tests.engine.fused_cases 2>&1 | tee "$out/fused.md" ;;
   engine)
     # shellcheck disable=SC2086  # ENGINE_ARGS is a list of flags
     python3 benchmarks/bench_engine.py --model "$tiny" --device cuda --dtype bfloat16 \

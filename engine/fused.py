@@ -1,0 +1,83 @@
+"""The forward pass through the fused kernels of ``engine/fused_triton.py``.
+
+A decode step of the torch forward launches some twenty kernels per layer for the
+norms, the rotary and the MLP's gate alone; at a few rows each costs its launch,
+not its arithmetic. Here a layer is its four matmuls, attention, and four fused
+kernels: rotary + KV-cache write, add + RMSNorm (twice), SiLU * mul. Each
+residual add rides with the norm that follows it, the last with the final norm.
+
+Only on CUDA, with Triton (``on_fused_path``): the CPU keeps the torch forward
+bit for bit. Only for the plain pre-norm decoder with a full rotary and SiLU
+(``covers``: Llama, SmolLM2, Mistral, Qwen2, Phi-3 without partial rotary); the
+rest (Gemma's offset norms scaled in fp32, OLMo-2's output norms, q/k norms,
+partial rotary, GELU) keep the torch forward on every device, which is also the
+kernels' test oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .llama import CachedAttention, FastLlama
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def on_fused_path(x: torch.Tensor) -> bool:
+    """Whether ``x``'s forward takes the fused kernels: CUDA tensors, with Triton."""
+    return x.is_cuda and triton_available()
+
+
+def covers(model: FastLlama) -> bool:
+    """Whether the fused forward computes ``model``'s family exactly as the torch one."""
+    family = model.family
+    return (
+        family.norms == "pre"
+        and family.qk_norm is None
+        and not family.norm_offset
+        and not family.norm_scale_fp32
+        and model.embed_scale is None
+        and model.activation is F.silu
+        and all(cos.shape[-1] == model.head_dim for cos, _ in model.tables)
+        and model.head_dim & (model.head_dim - 1) == 0
+    )
+
+
+def fused_forward(
+    model: FastLlama, input_ids: torch.Tensor, positions: torch.Tensor, attention: CachedAttention
+) -> torch.Tensor:
+    """``FastLlama.forward`` of a model ``covers`` accepts, through the fused kernels."""
+    from .fused_triton import add_rms_norm_triton, rope_cache_triton, silu_mul_triton
+
+    layers, eps = model.layers, model.eps
+    x = F.embedding(input_ids, model.embed)
+    n, q_size = x.shape[0], model.num_heads * model.head_dim
+    # The residual stream and the next norm's output, which feeds the next matmul.
+    residual, h = add_rms_norm_triton(x, None, _weight(layers[0].norm_attn_in), eps)
+    for i, layer in enumerate(layers):
+        cos, sin = model.tables[model.rope_of_layer[i]]
+        pool_k, pool_v = attention.pool.k[i], attention.pool.v[i]
+        qkv = layer.qkv(h)
+        q = rope_cache_triton(
+            qkv, positions, cos, sin, attention.slots, pool_k, pool_v, model.num_heads
+        )
+        out = layer.o(attention.attend(i, q).reshape(n, q_size))
+        residual, h = add_rms_norm_triton(out, residual, _weight(layer.norm_mlp_in), eps)
+        down = layer.down(silu_mul_triton(layer.gate_up(h)))
+        following = layers[i + 1].norm_attn_in if i + 1 < len(layers) else model.norm
+        residual, h = add_rms_norm_triton(down, residual, _weight(following), eps)
+    return h
+
+
+def _weight(norm: torch.Tensor | None) -> torch.Tensor:
+    assert norm is not None, "covers() admits pre-norm layers only"
+    return norm
