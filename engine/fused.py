@@ -16,20 +16,15 @@ kernels' test oracle.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from .attention import triton_available
+
 if TYPE_CHECKING:
     from .llama import CachedAttention, FastLlama
-
-
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def on_fused_path(x: torch.Tensor) -> bool:
