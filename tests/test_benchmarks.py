@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -467,3 +468,15 @@ def test_bench_structured_compares_free_and_constrained_decoding(
     assert [row[0] for row in rows] == ["1", "3"]
     assert all(row[3].endswith("x") and row[5].endswith(" µs") for row in rows)
     assert all(float(row[5].split()[0]) > 0 for row in rows)  # the mask was computed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor needs a C++ compiler")
+def test_bench_cpu_compile_times_the_compiled_step_against_the_eager_one() -> None:
+    table = load_script("bench_cpu_compile").compile_table(tiny(), [1, 2], steps=4, rounds=1)
+    rows = data_rows(table.splitlines())
+    assert [row[0] for row in rows] == ["1", "2"]
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 and row[3].endswith("x") for row in rows)
+    # Whether the tokens agree is a measurement (inductor's kernels may round otherwise
+    # on another CPU), reported for a single row only.
+    assert rows[0][5] in ("yes", "no") and rows[1][5] == "n/a"
