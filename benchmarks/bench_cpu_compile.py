@@ -19,7 +19,6 @@ the measurement of whether it pays (benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -29,11 +28,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_step import run_steps  # noqa: E402
+from profile_step import load_for, run_steps, step_arguments  # noqa: E402
 
 from wsinfer.engine.core import EngineConfig, build_core  # noqa: E402
 from wsinfer.engine.lifecycle import EngineRequest  # noqa: E402
-from wsinfer.engine.model import LoadedModel, load_model  # noqa: E402
+from wsinfer.engine.model import LoadedModel  # noqa: E402
 from wsinfer.engine.sampling import GenerationParams  # noqa: E402
 
 # The attention context of the step being run: the custom op's way to it (a graph
@@ -130,18 +129,10 @@ def compile_table(loaded: LoadedModel, batches: list[int], steps: int, rounds: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2)")
-    parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--steps", type=int, default=48)
+    parser = step_arguments(__doc__.split("\n\n")[0], steps=48)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
-    print(f"{loaded.name}, {torch.get_num_threads()} threads, {args.steps} decode steps\n")
-    batches = [int(b) for b in args.batches.split(",")]
+    loaded, batches = load_for(args)
     print(compile_table(loaded, batches, args.steps, args.rounds))
 
 

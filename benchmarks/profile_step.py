@@ -86,18 +86,29 @@ def profile_table(loaded: LoadedModel, batches: list[int], steps: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_arguments(description: str, steps: int) -> argparse.ArgumentParser:
+    """The options of a benchmark that runs the engine's decode steps at batch sizes."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2)")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def load_for(args: argparse.Namespace) -> tuple[LoadedModel, list[int]]:
+    """Set the thread count, load the model, say what runs; (model, batch sizes)."""
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     print(f"{loaded.name}, {torch.get_num_threads()} threads, {args.steps} decode steps\n")
-    print(profile_table(loaded, [int(b) for b in args.batches.split(",")], args.steps))
+    return loaded, [int(b) for b in args.batches.split(",")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = step_arguments(__doc__.split("\n\n")[0], steps=32).parse_args(argv)
+    loaded, batches = load_for(args)
+    print(profile_table(loaded, batches, args.steps))
 
 
 if __name__ == "__main__":
