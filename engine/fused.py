@@ -16,7 +16,7 @@ kernels' test oracle.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,29 +47,79 @@ def covers(model: FastLlama) -> bool:
     )
 
 
+class LayerKernels(Protocol):
+    """The three fused steps of the layer program: Triton's on CUDA
+    (``engine/fused_triton.py``), the C++ ones on the CPU (``engine/native.py``)."""
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``x + residual``, its RMSNorm times ``weight``); no residual: ``x`` itself."""
+        ...
+
+    def rope_cache(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        q_heads: int,
+    ) -> torch.Tensor:
+        """q rotated [N, Hq, D]; k rotated and v stored in the caches at ``slots``."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``[N, 2 I]`` (gate first)."""
+        ...
+
+
+class TritonKernels:
+    """``LayerKernels`` of ``engine/fused_triton.py``."""
+
+    def __init__(self) -> None:
+        from .fused_triton import add_rms_norm_triton, rope_cache_triton, silu_mul_triton
+
+        self.add_rms_norm = add_rms_norm_triton
+        self.rope_cache = rope_cache_triton
+        self.silu_mul = silu_mul_triton
+
+
 def fused_forward(
     model: FastLlama, input_ids: torch.Tensor, positions: torch.Tensor, attention: CachedAttention
 ) -> torch.Tensor:
     """``FastLlama.forward`` of a model ``covers`` accepts, through the fused kernels."""
-    from .fused_triton import add_rms_norm_triton, rope_cache_triton, silu_mul_triton
+    return layer_program(model, input_ids, positions, attention, TritonKernels())
 
+
+def layer_program(
+    model: FastLlama,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attention: CachedAttention,
+    kernels: LayerKernels,
+) -> torch.Tensor:
+    """The forward of a model ``covers`` accepts: per layer four matmuls, attention,
+    and ``kernels``' rotary + KV write, two add + RMSNorms and SiLU * mul."""
     layers, eps = model.layers, model.eps
     x = F.embedding(input_ids, model.embed)
     n, q_size = x.shape[0], model.num_heads * model.head_dim
     # The residual stream and the next norm's output, which feeds the next matmul.
-    residual, h = add_rms_norm_triton(x, None, _weight(layers[0].norm_attn_in), eps)
+    residual, h = kernels.add_rms_norm(x, None, _weight(layers[0].norm_attn_in), eps)
     for i, layer in enumerate(layers):
         cos, sin = model.tables[model.rope_of_layer[i]]
         pool_k, pool_v = attention.pool.k[i], attention.pool.v[i]
         qkv = layer.qkv(h)
-        q = rope_cache_triton(
+        q = kernels.rope_cache(
             qkv, positions, cos, sin, attention.slots, pool_k, pool_v, model.num_heads
         )
         out = layer.o(attention.attend(i, q).reshape(n, q_size))
-        residual, h = add_rms_norm_triton(out, residual, _weight(layer.norm_mlp_in), eps)
-        down = layer.down(silu_mul_triton(layer.gate_up(h)))
+        residual, h = kernels.add_rms_norm(out, residual, _weight(layer.norm_mlp_in), eps)
+        down = layer.down(kernels.silu_mul(layer.gate_up(h)))
         following = layers[i + 1].norm_attn_in if i + 1 < len(layers) else model.norm
-        residual, h = add_rms_norm_triton(down, residual, _weight(following), eps)
+        residual, h = kernels.add_rms_norm(down, residual, _weight(following), eps)
     return h
 
 
