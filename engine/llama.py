@@ -11,9 +11,10 @@ OLMo-2, Phi-3, Gemma 2/3). Weights are shared with the transformers model, not c
 and gate/up are fused into one matrix each and the model's own parameters are
 re-pointed at views of the fused ones.
 
-On CUDA the plain pre-norm families run through fused Triton kernels instead
-(``engine/fused.py``); this torch forward is the CPU's, the other families', and
-those kernels' reference.
+The plain pre-norm families run through fused kernels instead
+(``engine/fused.py``): Triton's on CUDA, C++ ones on the CPU (``engine/native.py``,
+where they build). This torch forward is the other families', the CPU's without
+a compiler, and those kernels' reference.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from .attention import soft_cap
 from .families import FAMILIES, Family, UnsupportedModel, activation_of, family_of
 from .fused import covers, fused_forward, on_fused_path
+from .native import native_forward, on_native_path
 
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 __all__ = ["FastLlama", "SUPPORTED_MODEL_TYPES", "UnsupportedModel", "fast_model_for"]
@@ -225,6 +227,12 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([turned * cos + rotate_half(turned) * sin, x[..., dim:]], dim=-1)
 
 
+def attention_is_native(attention: CachedAttention) -> bool:
+    """Whether ``attention`` attends through the native kernel: the native forward
+    runs only beside it, so that the whole CPU forward is one or the other."""
+    return bool(getattr(attention, "native", False))
+
+
 class FastLlama:
     """The forward pass; ``forward`` is replaceable (tests inject faults through it)."""
 
@@ -277,8 +285,11 @@ class FastLlama:
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionContext
     ) -> torch.Tensor:
         """Final hidden states [N, hidden] of the flattened tokens."""
-        if self.fusable and on_fused_path(self.embed) and isinstance(attention, CachedAttention):
-            return fused_forward(self, input_ids, positions, attention)
+        if self.fusable and isinstance(attention, CachedAttention):
+            if on_fused_path(self.embed):
+                return fused_forward(self, input_ids, positions, attention)
+            if on_native_path(self.embed) and attention_is_native(attention):
+                return native_forward(self, input_ids, positions, attention)
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale

@@ -32,6 +32,7 @@ from .grammar import apply_bitmask
 from .kvpool import KVPool
 from .llama import FastLlama
 from .logprobs import LogprobBuffers, model_logprobs
+from .native import on_native_path, paged_attention
 from .sampling import (
     RowSampling,
     SamplingTensors,
@@ -56,6 +57,12 @@ def use_invariant_attention(pool: KVPool, softcap: float | None) -> bool:
     return pool.k.device.type == "cpu" and softcap is None
 
 
+def use_native_attention(pool: KVPool, softcap: float | None) -> bool:
+    """Attention through the C++ kernel (``engine/native.py``), where it is built: a
+    float32 CPU pool without soft-capped scores. Decode and prefill decide alike."""
+    return use_invariant_attention(pool, softcap) and on_native_path(pool.k)
+
+
 class DecodeContext:
     """Attention of one new token per row over its blocks in the pool.
 
@@ -77,7 +84,9 @@ class DecodeContext:
         self.pool, self.slots, self.scale, self.softcap = pool, slots, scale, softcap
         self.block_tables, self.seq_lens, self.max_len = block_tables, seq_lens, max_len
         self.invariant = use_invariant_attention(pool, softcap)
+        self.native = use_native_attention(pool, softcap)
         self._plan: InvariantAttention | None = None
+        self._rows: torch.Tensor | None = None
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -87,6 +96,20 @@ class DecodeContext:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of ``q`` over the pool, this step's keys and values already in it."""
+        if self.native:
+            if self._rows is None:
+                self._rows = torch.arange(q.shape[0])
+                self._query_pos = self.seq_lens.long() - 1
+                self._tables = self.block_tables.long()
+            return paged_attention(
+                q,
+                self.pool.k[layer],
+                self.pool.v[layer],
+                self._tables,
+                self._rows,
+                self._query_pos,
+                self.scale,
+            )
         if self.invariant:
             if self._plan is None:
                 self._plan = InvariantAttention(
@@ -144,7 +167,13 @@ class PrefillContext:
         query_pos = torch.from_numpy(_query_positions(pieces, self.width))
         self.plan: TiledAttention | None = None
         self.query_pos: torch.Tensor | None = None
-        if use_invariant_attention(pool, softcap):
+        self.native = use_native_attention(pool, softcap)
+        if self.native:
+            self.token_rows = upload(
+                np.concatenate([np.full(p.end - p.start, r) for r, p in enumerate(pieces)]),
+                device,
+            )
+        elif use_invariant_attention(pool, softcap):
             self.query_pos = query_pos
         else:
             self.mask = _prefill_mask(query_pos, blocks * bs, device)
@@ -158,6 +187,16 @@ class PrefillContext:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of ``q`` over the pool, these chunks' keys and values already in it."""
+        if self.native:
+            return paged_attention(
+                q,
+                self.pool.k[layer],
+                self.pool.v[layer],
+                self.table,
+                self.token_rows,
+                self.positions,
+                self.scale,
+            )
         heads, dim = q.shape[1], q.shape[2]
         padded = q.new_zeros(self.rows * self.width, heads, dim)
         padded[self.pad_index] = q

@@ -20,6 +20,7 @@ decode step), so the counted program is known to compute the right thing.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -178,6 +179,9 @@ def main() -> list[str]:
 
 
 if __name__ == "__main__":
+    # The GPU's program, run on CPU tensors: the CPU's own C++ kernels
+    # (engine/native.py) must not stand in for the torch forward counted as "before".
+    os.environ["WSINFER_NATIVE_CPU"] = "0"
     problems = main()
     print("\n".join(problems) or "ok")
     sys.exit(1 if problems else 0)

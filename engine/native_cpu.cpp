@@ -1,0 +1,298 @@
+// The CPU forward's small kernels, each one call where the torch forward makes
+// several: add + RMSNorm, rotary + KV-cache write, SiLU(gate) * up, and paged
+// attention. At a decode step's few rows the torch ops cost their dispatch, not
+// their arithmetic (engine/native.py says how much).
+//
+// Every result for a token depends only on that token's inputs (and, for
+// attention, the keys and values it may see), summed in an order fixed by this
+// code: never by the number of rows, the threads, or how a prompt was chunked.
+// A row computes the same bits alone or in any batch, and a prompt's prefill
+// the very KV its decode steps wrote. Reductions run in LANES partial sums
+// (which the compiler turns into vector registers without reordering them),
+// then a fixed tree.
+//
+// Float32 tensors only, contiguous (engine/native.py checks before calling).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 16;
+
+inline float fold_lanes(float* acc) {
+  for (int64_t width = LANES / 2; width > 0; width /= 2) {
+    for (int64_t j = 0; j < width; ++j) acc[j] += acc[j + width];
+  }
+  return acc[0];
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    for (int64_t j = 0; j < LANES; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  for (int64_t j = 0; i + j < n; ++j) acc[j] += a[i + j] * b[i + j];
+  return fold_lanes(acc);
+}
+
+inline float sum(const float* a, int64_t n) {
+  float acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    for (int64_t j = 0; j < LANES; ++j) acc[j] += a[i + j];
+  }
+  for (int64_t j = 0; i + j < n; ++j) acc[j] += a[i + j];
+  return fold_lanes(acc);
+}
+
+// exp(x) to about 2 ulp, in plain float arithmetic the compiler can vectorize
+// (libm's exp is a call per element): 2^n times a degree-6 polynomial of the
+// remainder (Cephes' expf). Below -87.3 it returns 0, as expf underflows.
+inline float fast_exp(float x) {
+  const bool under = x < -87.3f;
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return under ? 0.0f : p * scale;
+}
+
+void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+              name, " must be a contiguous float32 CPU tensor");
+}
+
+void check_index(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(),
+              name, " must be a contiguous int64 CPU tensor");
+}
+
+// Rows per task of the row-wise kernels: a decode step's few rows run on one
+// thread (waking the others costs more than the rows), a prompt's are shared.
+constexpr int64_t ROW_GRAIN = 16;
+
+}  // namespace
+
+// residual <- x + residual (or x, when residual is undefined); returns
+// (residual, rms_norm(residual) * weight), both [N, hidden].
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                     const at::Tensor& weight, double eps) {
+  check_float(x, "x");
+  check_float(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "x [N, hidden] and weight [hidden] do not fit");
+  const bool adding = residual.has_value() && residual->defined();
+  if (adding) {
+    check_float(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual and x differ in shape");
+  }
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  at::Tensor sum_out = at::empty_like(x);
+  at::Tensor normed = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* rp = adding ? residual->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum_out.data_ptr<float>();
+  float* np_ = normed.data_ptr<float>();
+  const float epsf = static_cast<float>(eps);
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * hidden;
+      float* sr = sp + r * hidden;
+      if (rp != nullptr) {
+        const float* rr = rp + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) sr[i] = xr[i] + rr[i];
+      } else {
+        std::memcpy(sr, xr, hidden * sizeof(float));
+      }
+      const float inv = 1.0f / std::sqrt(dot(sr, sr, hidden) / static_cast<float>(hidden) + epsf);
+      float* nr = np_ + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) nr[i] = sr[i] * inv * wp[i];
+    }
+  });
+  return {sum_out, normed};
+}
+
+// qkv [N, (Hq + 2 Hkv) D]: q's heads, k's, v's. Returns q rotated [N, Hq, D];
+// k rotated and v stored into the caches [blocks, block_size, Hkv, D] at flat
+// slots [N] (a negative slot stores nothing). The rotary of transformers'
+// apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, tables [positions, D].
+at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin, const at::Tensor& slots, at::Tensor k_cache,
+                      at::Tensor v_cache, int64_t q_heads) {
+  check_float(qkv, "qkv");
+  check_float(cos, "cos");
+  check_float(sin, "sin");
+  check_float(k_cache, "k_cache");
+  check_float(v_cache, "v_cache");
+  check_index(positions, "positions");
+  check_index(slots, "slots");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches do not match");
+  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t slot_count = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (q_heads + 2 * kv_heads) * dim,
+              "qkv does not hold q, k and v heads of the cache's size");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == dim && sin.sizes() == cos.sizes(),
+              "rotary tables do not fit the head size");
+  TORCH_CHECK(positions.numel() == rows && slots.numel() == rows, "one position and slot a row");
+  TORCH_CHECK(dim % 2 == 0, "odd head size");
+  at::Tensor q = at::empty({rows, q_heads, dim}, qkv.options());
+  const float* in = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  const int64_t width = qkv.size(1), half = dim / 2, table_rows = cos.size(0);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < table_rows, "position ", pos[r], " outside the rotary table");
+    TORCH_CHECK(slot[r] < slot_count, "slot ", slot[r], " outside the cache");
+  }
+  auto turn = [&](const float* x, const float* c, const float* s, float* out) {
+    for (int64_t d = 0; d < half; ++d) out[d] = x[d] * c[d] + (-x[d + half]) * s[d];
+    for (int64_t d = half; d < dim; ++d) out[d] = x[d] * c[d] + x[d - half] * s[d];
+  };
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = in + r * width;
+      const float* c = cp + pos[r] * dim;
+      const float* s = sp + pos[r] * dim;
+      for (int64_t h = 0; h < q_heads; ++h) turn(row + h * dim, c, s, qp + (r * q_heads + h) * dim);
+      if (slot[r] < 0) continue;
+      float* k_out = kp + slot[r] * kv_heads * dim;
+      float* v_out = vp + slot[r] * kv_heads * dim;
+      for (int64_t h = 0; h < kv_heads; ++h) turn(row + (q_heads + h) * dim, c, s, k_out + h * dim);
+      std::memcpy(v_out, row + (q_heads + kv_heads) * dim, kv_heads * dim * sizeof(float));
+    }
+  });
+  return q;
+}
+
+// gate_up [N, 2 I] (gate, then up) -> silu(gate) * up [N, I].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_float(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [N, 2 I]");
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inner}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in + r * 2 * inner;
+      const float* up = gate + inner;
+      float* o = op + r * inner;
+      for (int64_t i = 0; i < inner; ++i) o[i] = gate[i] / (1.0f + fast_exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+// Causal attention over the paged cache. Token t (of N) of row rows[t] sees
+// that row's keys 0..query_pos[t], found through block_tables[rows[t]]; a
+// negative position sees nothing and gets zeros. q [N, Hq, D] -> [N, Hq, D].
+// A query's scores, their softmax and the weighted sum of values are each
+// computed key by key in index order, whatever else is in the call.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& rows, const at::Tensor& query_pos, double scale) {
+  check_float(q, "q");
+  check_float(k_cache, "k_cache");
+  check_float(v_cache, "v_cache");
+  check_index(block_tables, "block_tables");
+  check_index(rows, "rows");
+  check_index(query_pos, "query_pos");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q [N, Hq, D] and caches [blocks, block_size, Hkv, D] expected");
+  const int64_t tokens = q.size(0), q_heads = q.size(1), dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), blocks = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(3) == dim && q_heads % kv_heads == 0, "q and the caches do not fit");
+  TORCH_CHECK(block_tables.dim() == 2 && rows.numel() == tokens && query_pos.numel() == tokens,
+              "one row and position a token, tables [rows, blocks]");
+  const int64_t group = q_heads / kv_heads, table_width = block_tables.size(1);
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const int64_t* pos = query_pos.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(row_of[t] >= 0 && row_of[t] < block_tables.size(0), "row outside the tables");
+    TORCH_CHECK(pos[t] < table_width * block_size, "position past the row's table");
+    for (int64_t b = 0; b <= pos[t] / block_size && pos[t] >= 0; ++b) {
+      const int64_t block = table[row_of[t] * table_width + b];
+      TORCH_CHECK(block >= 0 && block < blocks, "block ", block, " outside the cache");
+    }
+    longest = std::max(longest, pos[t] + 1);
+  }
+  at::Tensor out = at::zeros_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scalef = static_cast<float>(scale);
+  const int64_t slot_stride = kv_heads * dim;
+  // One task per (token, kv head): the group's query heads share the key reads.
+  at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(group * longest));
+    std::vector<float> acc(static_cast<size_t>(dim));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / kv_heads, g = task % kv_heads;
+      const int64_t seen = pos[t] + 1;
+      if (seen <= 0) continue;
+      const int64_t* blocks_of_row = table + row_of[t] * table_width;
+      auto slot_of = [&](int64_t key) {
+        return blocks_of_row[key / block_size] * block_size + key % block_size;
+      };
+      for (int64_t key = 0; key < seen; ++key) {
+        const float* k = kp + slot_of(key) * slot_stride + g * dim;
+        for (int64_t h = 0; h < group; ++h) {
+          const float* qh = qp + (t * q_heads + g * group + h) * dim;
+          scores[h * seen + key] = dot(qh, k, dim) * scalef;
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        float* s = scores.data() + h * seen;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t key = 0; key < seen; ++key) top = std::max(top, s[key]);
+        for (int64_t key = 0; key < seen; ++key) s[key] = fast_exp(s[key] - top);
+        const float inv = 1.0f / sum(s, seen);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t key = 0; key < seen; ++key) {
+          const float* v = vp + slot_of(key) * slot_stride + g * dim;
+          const float p = s[key];
+          for (int64_t d = 0; d < dim; ++d) acc[d] += p * v[d];
+        }
+        float* o = op + (t * q_heads + g * group + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm");
+  m.def("rope_cache", &rope_cache, "rotary, and the KV-cache write");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
+  m.def("paged_attention", &paged_attention, "causal attention over the paged cache");
+}
