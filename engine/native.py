@@ -71,10 +71,12 @@ def _build() -> ModuleType:
     directory = default_cache_dir() / "native" / key
     directory.mkdir(parents=True, exist_ok=True)
     # -march=native: the library is built on, and kept for, this CPU (the key).
+    # -fopenmp: at::parallel_for is inline; without it the kernels run on one thread
+    # (the OpenMP runtime is torch's own, already loaded).
     module = cpp_extension.load(
         name=f"wsinfer_native_cpu_{key}",
         sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-march=native"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
         build_directory=str(directory),
         verbose=False,
     )

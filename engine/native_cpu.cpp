@@ -212,8 +212,19 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // Causal attention over the paged cache. Token t (of N) of row rows[t] sees
 // that row's keys 0..query_pos[t], found through block_tables[rows[t]]; a
 // negative position sees nothing and gets zeros. q [N, Hq, D] -> [N, Hq, D].
-// A query's scores, their softmax and the weighted sum of values are each
-// computed key by key in index order, whatever else is in the call.
+//
+// A query's score for a key is summed over the head's dims in index order; its
+// softmax and the weighted sum of values run over its keys in index order. Up
+// to QUERY_TILE consecutive tokens of one row share each read of a block of
+// keys and of each value (a prompt's prefill is bound by those reads), but
+// every query still does its own arithmetic in its own order: the same bits
+// alone (decode) as in any tile (prefill).
+namespace {
+constexpr int64_t QUERY_TILE = 8;
+constexpr int64_t KEY_BLOCK = 16;
+typedef float KeyLanes __attribute__((vector_size(KEY_BLOCK * sizeof(float))));
+}  // namespace
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& rows, const at::Tensor& query_pos, double scale) {
@@ -234,16 +245,24 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t* table = block_tables.data_ptr<int64_t>();
   const int64_t* row_of = rows.data_ptr<int64_t>();
   const int64_t* pos = query_pos.data_ptr<int64_t>();
+  // Tiles: runs of up to QUERY_TILE consecutive tokens of one row.
+  std::vector<int64_t> tile_start;
   int64_t longest = 0;
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(row_of[t] >= 0 && row_of[t] < block_tables.size(0), "row outside the tables");
     TORCH_CHECK(pos[t] < table_width * block_size, "position past the row's table");
-    for (int64_t b = 0; b <= pos[t] / block_size && pos[t] >= 0; ++b) {
+    for (int64_t b = 0; pos[t] >= 0 && b <= pos[t] / block_size; ++b) {
       const int64_t block = table[row_of[t] * table_width + b];
       TORCH_CHECK(block >= 0 && block < blocks, "block ", block, " outside the cache");
     }
     longest = std::max(longest, pos[t] + 1);
+    if (tile_start.empty() || row_of[t] != row_of[tile_start.back()] ||
+        t - tile_start.back() == QUERY_TILE) {
+      tile_start.push_back(t);
+    }
   }
+  const int64_t tiles = static_cast<int64_t>(tile_start.size());
+  tile_start.push_back(tokens);
   at::Tensor out = at::zeros_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -251,39 +270,83 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   float* op = out.data_ptr<float>();
   const float scalef = static_cast<float>(scale);
   const int64_t slot_stride = kv_heads * dim;
-  // One task per (token, kv head): the group's query heads share the key reads.
-  at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(group * longest));
-    std::vector<float> acc(static_cast<size_t>(dim));
+  const int64_t padded = (longest + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+  at::parallel_for(0, tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t most = QUERY_TILE * group;  // query heads of a tile
+    std::vector<float> scores(static_cast<size_t>(most * padded));
+    std::vector<float> acc(static_cast<size_t>(most * dim));
+    std::vector<float> keys_t(static_cast<size_t>(dim * KEY_BLOCK));  // [D][KEY_BLOCK]
+    std::vector<int64_t> seen_of(static_cast<size_t>(most));
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / kv_heads, g = task % kv_heads;
-      const int64_t seen = pos[t] + 1;
-      if (seen <= 0) continue;
-      const int64_t* blocks_of_row = table + row_of[t] * table_width;
+      const int64_t tile = task / kv_heads, g = task % kv_heads;
+      const int64_t first = tile_start[tile], count = tile_start[tile + 1] - first;
+      const int64_t* blocks_of_row = table + row_of[first] * table_width;
       auto slot_of = [&](int64_t key) {
         return blocks_of_row[key / block_size] * block_size + key % block_size;
       };
-      for (int64_t key = 0; key < seen; ++key) {
-        const float* k = kp + slot_of(key) * slot_stride + g * dim;
-        for (int64_t h = 0; h < group; ++h) {
-          const float* qh = qp + (t * q_heads + g * group + h) * dim;
-          scores[h * seen + key] = dot(qh, k, dim) * scalef;
+      int64_t reach = 0;  // keys the tile's furthest query sees
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t h = 0; h < group; ++h) seen_of[i * group + h] = std::max<int64_t>(pos[first + i] + 1, 0);
+        reach = std::max(reach, pos[first + i] + 1);
+      }
+      const int64_t heads = count * group;
+      // Scores, a block of keys at a time: the block transposed once, then each
+      // query's 16 scores summed over the dims in order (lanes across keys).
+      for (int64_t base = 0; base < reach; base += KEY_BLOCK) {
+        const int64_t width = std::min(KEY_BLOCK, reach - base);
+        for (int64_t j = 0; j < KEY_BLOCK; ++j) {
+          if (j < width) {
+            const float* k = kp + slot_of(base + j) * slot_stride + g * dim;
+            for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = k[d];
+          } else {
+            for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = 0.0f;
+          }
+        }
+        for (int64_t qh = 0; qh < heads; ++qh) {
+          if (seen_of[qh] <= base) continue;
+          const int64_t i = qh / group, h = qh % group;
+          const float* query = qp + ((first + i) * q_heads + g * group + h) * dim;
+          // A register of KEY_BLOCK lanes, one a key (GCC's vector extension: kept in
+          // registers, where a plain array was spilled to memory every dim).
+          KeyLanes lanes = {};
+          for (int64_t d = 0; d < dim; ++d) {
+            KeyLanes row;
+            std::memcpy(&row, keys_t.data() + d * KEY_BLOCK, sizeof(row));
+            lanes += query[d] * row;
+          }
+          lanes *= scalef;
+          std::memcpy(scores.data() + qh * padded + base, &lanes, sizeof(lanes));
         }
       }
-      for (int64_t h = 0; h < group; ++h) {
-        float* s = scores.data() + h * seen;
+      // Softmax of each query head over its own keys (normalized at the end).
+      for (int64_t qh = 0; qh < heads; ++qh) {
+        const int64_t seen = seen_of[qh];
+        std::fill(acc.begin() + qh * dim, acc.begin() + (qh + 1) * dim, 0.0f);
+        if (seen == 0) continue;
+        float* s = scores.data() + qh * padded;
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t key = 0; key < seen; ++key) top = std::max(top, s[key]);
         for (int64_t key = 0; key < seen; ++key) s[key] = fast_exp(s[key] - top);
-        const float inv = 1.0f / sum(s, seen);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t key = 0; key < seen; ++key) {
-          const float* v = vp + slot_of(key) * slot_stride + g * dim;
-          const float p = s[key];
-          for (int64_t d = 0; d < dim; ++d) acc[d] += p * v[d];
+      }
+      // Values: each read once for the tile, added into every query head that
+      // sees it, key by key in order.
+      for (int64_t key = 0; key < reach; ++key) {
+        const float* v = vp + slot_of(key) * slot_stride + g * dim;
+        for (int64_t qh = 0; qh < heads; ++qh) {
+          if (key >= seen_of[qh]) continue;
+          const float p = scores[qh * padded + key];
+          float* a = acc.data() + qh * dim;
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
         }
-        float* o = op + (t * q_heads + g * group + h) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] * inv;
+      }
+      for (int64_t qh = 0; qh < heads; ++qh) {
+        const int64_t seen = seen_of[qh];
+        if (seen == 0) continue;
+        const int64_t i = qh / group, h = qh % group;
+        const float inv = 1.0f / sum(scores.data() + qh * padded, seen);
+        float* o = op + ((first + i) * q_heads + g * group + h) * dim;
+        const float* a = acc.data() + qh * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * inv;
       }
     }
   });
