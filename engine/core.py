@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from . import native
 from .attention_cpu import batch_invariant_here
 from .batch import DecodeRows
 from .eager import EagerEngineCore
@@ -113,6 +114,10 @@ class EngineCore(CoreBase):
         alone than batched, or after a takeover."""
         model = self.model
         if self.device.type != "cpu" or model.attn_softcap is not None:
+            return
+        if model.dtype == torch.float32 and native.kernels() is not None:
+            # The C++ kernels attend (their order is their code's), built now rather
+            # than at the first request (about 30 s on a new machine).
             return
         shape = (model.num_heads, model.num_kv_heads, model.head_dim, self.config.block_size)
         if not batch_invariant_here(*shape):
