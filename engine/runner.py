@@ -86,7 +86,10 @@ class DecodeContext:
         self.invariant = use_invariant_attention(pool, softcap)
         self.native = use_native_attention(pool, softcap)
         self._plan: InvariantAttention | None = None
-        self._rows: torch.Tensor | None = None
+        if self.native:  # the kernel's view of the rows: row r's query at its last position
+            self._rows = torch.arange(seq_lens.shape[0])
+            self._query_pos = seq_lens.long() - 1
+            self._tables = block_tables.long()
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -97,10 +100,6 @@ class DecodeContext:
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of ``q`` over the pool, this step's keys and values already in it."""
         if self.native:
-            if self._rows is None:
-                self._rows = torch.arange(q.shape[0])
-                self._query_pos = self.seq_lens.long() - 1
-                self._tables = self.block_tables.long()
             return paged_attention(
                 q,
                 self.pool.k[layer],
