@@ -37,7 +37,8 @@ import torch
 if TYPE_CHECKING:
     from .llama import CachedAttention, FastLlama
 
-SOURCE = Path(__file__).with_name("native_cpu.cpp")
+# The bindings live in the first; the quantized linear layers in the second.
+SOURCES = [Path(__file__).with_name(name) for name in ("native_cpu.cpp", "native_quant.cpp")]
 log = structlog.get_logger("wsinfer.engine.native")
 
 
@@ -64,7 +65,7 @@ def _build() -> ModuleType:
     from .model import default_cache_dir
 
     _put_ninja_on_path()
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(
         source + torch.__version__.encode() + _cpu_identity().encode()
     ).hexdigest()[:16]
@@ -75,7 +76,7 @@ def _build() -> ModuleType:
     # (the OpenMP runtime is torch's own, already loaded).
     module = cpp_extension.load(
         name=f"wsinfer_native_cpu_{key}",
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         build_directory=str(directory),
         verbose=False,

@@ -353,9 +353,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
+// engine/native_quant.cpp
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor pack_q4_1(const at::Tensor& raw);
+at::Tensor pack_q8_0(const at::Tensor& raw);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm");
   m.def("rope_cache", &rope_cache, "rotary, and the KV-cache write");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
   m.def("paged_attention", &paged_attention, "causal attention over the paged cache");
+  m.def("q4_1_linear", &q4_1_linear, "x times a packed Q4_1 weight, transposed");
+  m.def("q8_0_linear", &q8_0_linear, "x times a packed Q8_0 weight, transposed");
+  m.def("pack_q4_1", &pack_q4_1, "a GGUF's Q4_1 rows in the kernel's group order");
+  m.def("pack_q8_0", &pack_q8_0, "a GGUF's Q8_0 rows in the kernel's group order");
 }

@@ -29,6 +29,16 @@ distribution is 0.0019 nats with it (0.0003 with a float32 output layer) and the
 top token agrees at 97.6% of positions (98.1%). The embedding lookup keeps the
 float32 table (one row a token).
 
+Where the C++ kernels build (``engine/native.py``: a compiler, not turned off),
+the layers multiply the file's blocks with them instead (``BlockLinear``,
+``engine/native_quant.cpp``), as llama.cpp does: each activation row is quantized
+to int8 per block of 32 inputs (one float scale a block) and each block's products
+are summed as integers, with AVX-512 VNNI or AVX2 where the CPU has them. The
+output layer keeps the file's own Q8_0 blocks (no re-quantization), and neither
+bfloat16 nor a per-row re-quantization is involved. Integer sums are exact and
+the float arithmetic per block is fixed by the code, so a row's logits are the
+same bits at any batch size, as with the torch kernels.
+
 Other tensor types keep the float32 path.
 """
 
@@ -42,6 +52,7 @@ import numpy as np
 import structlog
 import torch
 
+from . import native
 from .llama import FastLlama, Linear
 
 GROUP = 32  # weights per Q4_1 block, and the int4 kernel's group size
@@ -94,6 +105,30 @@ class Int8Linear:
 
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
+
+
+class BlockLinear:
+    """``x @ W^T`` over a GGUF's own Q4_1 or Q8_0 rows, by the C++ kernels (int8
+    activations per block of 32, integer products); float32 in, float32 out."""
+
+    KINDS = {"Q4_1": ("pack_q4_1", "q4_1_linear"), "Q8_0": ("pack_q8_0", "q8_0_linear")}
+
+    def __init__(self, kind: str, raw: np.ndarray, in_features: int) -> None:
+        """``raw`` uint8 [out, in / 32 * block bytes]: the file's rows, in their order."""
+        module = native.kernels()
+        assert module is not None, "BlockLinear without the native kernels"
+        pack, linear = self.KINDS[kind]
+        self.kind = kind
+        self.out_features, self.in_features = raw.shape[0], in_features
+        self.packed = getattr(module, pack)(torch.from_numpy(np.array(raw, dtype=np.uint8)))
+        self._linear = getattr(module, linear)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        return self._linear(rows, self.packed).view(*x.shape[:-1], self.out_features)  # type: ignore[no-any-return]
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes
 
 
 # --- Q4_1 blocks -------------------------------------------------------------------
@@ -150,15 +185,27 @@ class GgufTensors:
         self.tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
 
     def q4_1(self, name: str, permute_heads: int | None = None) -> tuple[Any, ...]:
+        raw, columns = self.rows(name, "Q4_1", permute_heads)
+        return q4_1_parts(raw, columns)
+
+    def rows(
+        self, name: str, kind: str, permute_heads: int | None = None
+    ) -> tuple[np.ndarray, int]:
+        """Tensor ``name``'s raw rows (uint8 [rows, bytes], q/k rows in transformers'
+        order when ``permute_heads`` is given) and its columns; it must be ``kind``."""
         tensor = self.tensors.get(name)
         if tensor is None:
             raise QuantError(f"{self.path.name} has no tensor {name!r}")
-        if tensor.tensor_type.name != "Q4_1":
-            raise QuantError(f"{name} is {tensor.tensor_type.name}, not Q4_1")
+        if tensor.tensor_type.name != kind:
+            raise QuantError(f"{name} is {tensor.tensor_type.name}, not {kind}")
         raw = np.asarray(tensor.data)
         if permute_heads is not None:
             raw = unpermute_rows(raw, permute_heads)
-        return q4_1_parts(raw, int(tensor.shape[0]))
+        return raw, int(tensor.shape[0])
+
+    def kind(self, name: str) -> str | None:
+        tensor = self.tensors.get(name)
+        return None if tensor is None else str(tensor.tensor_type.name)
 
     def all_q4_1(self, names: list[str]) -> bool:
         found = [self.tensors.get(n) for n in names]
@@ -170,41 +217,65 @@ def _layer_names(i: int) -> list[str]:
     return [f"blk.{i}.{p}.weight" for p in parts]
 
 
-def quantized_model(fast: FastLlama, gguf: Path) -> FastLlama:
+def quantized_model(fast: FastLlama, gguf: Path, blocks: bool | None = None) -> FastLlama:
     """A copy of ``fast`` whose linear layers multiply the GGUF's own Q4_1 blocks.
 
     Only plain Llama layers (no q/k/v bias) whose seven matrices are all Q4_1 are
-    replaced; the output layer becomes int8 per row. Raises ``QuantError`` if the file
-    does not match the model (a different file, or another architecture)."""
+    replaced. ``blocks`` (default: where the C++ kernels build) multiplies the file's
+    blocks natively (``BlockLinear``), the output layer too when the file's is Q8_0;
+    otherwise torch's int4 kernel, and the output layer as int8 per row. Raises
+    ``QuantError`` if the file does not match the model (a different file, or another
+    architecture)."""
     if fast.config.model_type != "llama":
         raise QuantError(f"quantized CPU weights cover llama models, not {fast.config.model_type}")
+    if blocks is None:
+        blocks = native.kernels() is not None
     tensors = GgufTensors(gguf)
     quant = copy.copy(fast)
     quant.layers = [copy.copy(layer) for layer in fast.layers]
     for i, layer in enumerate(quant.layers):
         if layer.qkv.bias is not None or not tensors.all_q4_1(_layer_names(i)):
             continue
-        _quantize_layer(layer, i, tensors, fast)
-    head = fast.lm_head
-    assert isinstance(head, Linear)
-    quant.lm_head = Int8Linear(head.matrix())
+        _quantize_layer(layer, i, tensors, fast, blocks)
+    quant.lm_head = _output_layer(fast, tensors, blocks)
     return quant
 
 
-def _quantize_layer(layer: Any, i: int, tensors: GgufTensors, fast: FastLlama) -> None:
+def _quantize_layer(
+    layer: Any, i: int, tensors: GgufTensors, fast: FastLlama, blocks: bool
+) -> None:
     q, k, v, o, gate, up, down = _layer_names(i)
-    qkv = [
-        tensors.q4_1(q, fast.num_heads),
-        tensors.q4_1(k, fast.num_kv_heads),
-        tensors.q4_1(v),
-    ]
-    width = sum(part[0].shape[0] for part in qkv)
-    if width != layer.qkv.out_features:
+    qkv = _q4_1_linear(tensors, [(q, fast.num_heads), (k, fast.num_kv_heads), (v, None)], blocks)
+    if qkv.out_features != layer.qkv.out_features:
         raise QuantError(f"{tensors.path.name}: layer {i}'s q/k/v do not match the model")
-    layer.qkv = int4_linear(qkv)
-    layer.o = int4_linear([tensors.q4_1(o)])
-    layer.gate_up = int4_linear([tensors.q4_1(gate), tensors.q4_1(up)])
-    layer.down = int4_linear([tensors.q4_1(down)])
+    layer.qkv = qkv
+    layer.o = _q4_1_linear(tensors, [(o, None)], blocks)
+    layer.gate_up = _q4_1_linear(tensors, [(gate, None), (up, None)], blocks)
+    layer.down = _q4_1_linear(tensors, [(down, None)], blocks)
+
+
+def _q4_1_linear(
+    tensors: GgufTensors, names: list[tuple[str, int | None]], blocks: bool
+) -> BlockLinear | Int4Linear:
+    """One linear over the rows of several Q4_1 tensors (fused q/k/v, fused gate/up);
+    each name with its head count where its rows are llama.cpp's q/k order."""
+    if not blocks:
+        return int4_linear([tensors.q4_1(name, heads) for name, heads in names])
+    rows = [tensors.rows(name, "Q4_1", heads) for name, heads in names]
+    return BlockLinear("Q4_1", np.concatenate([raw for raw, _ in rows]), rows[0][1])
+
+
+def _output_layer(fast: FastLlama, tensors: GgufTensors, blocks: bool) -> BlockLinear | Int8Linear:
+    """The file's own Q8_0 output layer (``output.weight``, or the token embedding it is
+    tied to) where the native kernels run; else the float one re-quantized to int8."""
+    head = fast.lm_head
+    assert isinstance(head, Linear)
+    name = "output.weight" if tensors.kind("output.weight") is not None else "token_embd.weight"
+    if blocks and tensors.kind(name) == "Q8_0":
+        raw, columns = tensors.rows(name, "Q8_0")
+        if raw.shape[0] == head.matrix().shape[0] and columns == head.matrix().shape[1]:
+            return BlockLinear("Q8_0", raw, columns)
+    return Int8Linear(head.matrix())
 
 
 def cpu_quantized_model(model: Any, fast: FastLlama, gguf: Path) -> FastLlama:
@@ -219,7 +290,14 @@ def cpu_quantized_model(model: Any, fast: FastLlama, gguf: Path) -> FastLlama:
     except QuantError as exc:
         log.warning("quantized CPU weights unavailable; float32", reason=str(exc))
         return fast
-    int4 = sum(isinstance(layer.qkv, Int4Linear) for layer in quant.layers)
-    log.info("quantized CPU weights", file=gguf.name, int4_layers=int4, output_layer="int8")
+    q4 = sum(isinstance(layer.qkv, (Int4Linear, BlockLinear)) for layer in quant.layers)
+    head = quant.lm_head
+    log.info(
+        "quantized CPU weights",
+        file=gguf.name,
+        q4_1_layers=q4,
+        output_layer=head.kind if isinstance(head, BlockLinear) else "int8",
+        kernels="native" if isinstance(quant.layers[0].qkv, BlockLinear) else "torch",
+    )
     model._wsinfer_quantized = quant
     return quant

@@ -12,11 +12,13 @@ import torch
 
 from tests.engine.conftest import run_all, tokens_of
 from tests.engine.test_core import request
+from wsinfer.engine import native
 from wsinfer.engine.core import EngineConfig, EngineCore
 from wsinfer.engine.llama import fast_model_for
 from wsinfer.engine.model import LoadedModel
 from wsinfer.engine.prompts import render_chat
 from wsinfer.engine.quant import (
+    BlockLinear,
     GgufTensors,
     Int4Linear,
     Int8Linear,
@@ -168,13 +170,44 @@ def test_quantized_weights_are_the_default_and_float32_is_one_flag_away(
 ) -> None:
     assert not isinstance(
         EngineCore(smol, EngineConfig(quantized_cpu_weights=False)).model.layers[0].qkv,
-        Int4Linear,
+        (Int4Linear, BlockLinear),
     )
     quant = EngineCore(smol)
-    assert all(isinstance(layer.qkv, Int4Linear) for layer in quant.model.layers)
     head = quant.model.lm_head
-    assert isinstance(head, Int8Linear)
+    if native.kernels() is not None:  # the file's own blocks, the output layer's Q8_0 too
+        assert all(
+            isinstance(layer.qkv, BlockLinear) and layer.qkv.kind == "Q4_1"
+            for layer in quant.model.layers
+        )
+        assert isinstance(head, BlockLinear) and head.kind == "Q8_0"
+    else:
+        assert all(isinstance(layer.qkv, Int4Linear) for layer in quant.model.layers)
+        assert isinstance(head, Int8Linear)
     assert (head.out_features, head.in_features) == (smol.model.config.vocab_size, 576)
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="the native kernels did not build here")
+def test_the_native_blocks_and_torchs_int4_kernel_multiply_alike(smol: LoadedModel) -> None:
+    """The same file through either kernel set: every linear of a layer, and the output
+    layer, within a couple of percent of each other (both quantize the activations:
+    int8 per block natively, bfloat16 in torch's kernels)."""
+    assert smol.gguf is not None
+    fast = fast_model_for(smol.model, 64, True)
+    blocks, torch_kernels = (
+        quantized_model(fast, smol.gguf, True),
+        quantized_model(fast, smol.gguf, False),
+    )
+    pairs = [
+        (getattr(blocks.layers[3], n), getattr(torch_kernels.layers[3], n))
+        for n in ("qkv", "o", "gate_up", "down")
+    ]
+    pairs.append((blocks.lm_head, torch_kernels.lm_head))
+    generator = torch.Generator().manual_seed(0)
+    for ours, theirs in pairs:
+        assert isinstance(ours, BlockLinear) and not isinstance(theirs, BlockLinear)
+        x = torch.randn(3, ours.in_features, generator=generator)
+        a, b = ours(x), theirs(x)
+        assert (a - b).abs().max() < 0.03 * b.abs().max(), ours.kind
 
 
 QUESTIONS = [
@@ -236,7 +269,8 @@ def test_an_engine_says_its_cpu_weights_are_quantized(smol: LoadedModel) -> None
             "event": "quantized CPU weights",
             "log_level": "info",
             "file": smol.gguf.name,
-            "int4_layers": 30,
-            "output_layer": "int8",
+            "q4_1_layers": 30,
+            "output_layer": "Q8_0" if native.kernels() is not None else "int8",
+            "kernels": "native" if native.kernels() is not None else "torch",
         }
     ]
