@@ -40,6 +40,13 @@ if TYPE_CHECKING:
 # The bindings live in the first; the quantized linear layers in the second.
 SOURCES = [Path(__file__).with_name(name) for name in ("native_cpu.cpp", "native_quant.cpp")]
 log = structlog.get_logger("wsinfer.engine.native")
+# -march=native: the library is built on, and kept for, this CPU (the cache key).
+# -fopenmp: at::parallel_for is inline; without it the kernels run on one thread
+# (the OpenMP runtime is torch's own, already loaded). -fno-trapping-math: GCC
+# vectorizes no loop with a conditional float expression otherwise (the SiLU's
+# exp ran one element at a time); it changes no result, only lets the compiler
+# compute both sides of a select.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 
 
 def enabled() -> bool:
@@ -66,18 +73,14 @@ def _build() -> ModuleType:
 
     _put_ninja_on_path()
     source = b"".join(path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(
-        source + torch.__version__.encode() + _cpu_identity().encode()
-    ).hexdigest()[:16]
+    built_with = [torch.__version__, _cpu_identity(), *CFLAGS]
+    key = hashlib.sha256(source + "\n".join(built_with).encode()).hexdigest()[:16]
     directory = default_cache_dir() / "native" / key
     directory.mkdir(parents=True, exist_ok=True)
-    # -march=native: the library is built on, and kept for, this CPU (the key).
-    # -fopenmp: at::parallel_for is inline; without it the kernels run on one thread
-    # (the OpenMP runtime is torch's own, already loaded).
     module = cpp_extension.load(
         name=f"wsinfer_native_cpu_{key}",
         sources=[str(path) for path in SOURCES],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=CFLAGS,
         build_directory=str(directory),
         verbose=False,
     )

@@ -48,8 +48,8 @@ constexpr int64_t GROUP_BLOCKS = 4;    // blocks a group
 constexpr int64_t GROUP = BLOCK * GROUP_BLOCKS;
 constexpr int64_t Q4_1_BYTES = 20;     // fp16 d, fp16 m, 16 nibble bytes
 constexpr int64_t Q8_0_BYTES = 34;     // fp16 d, 32 int8
-constexpr int64_t ROW_TILE = 4;        // input rows sharing each decoded group
 constexpr int64_t OUT_CHUNK = 16;      // output rows a task walks per input tile
+constexpr int64_t PREFETCH_AHEAD = 1024;  // bytes: the weights stream from memory
 
 template <typename V>
 inline V load(const void* p) {
@@ -134,18 +134,38 @@ inline float fold(F32x16 v) {
   return a + b;
 }
 
-// Four fp16 values (a group's d's, or m's), each on the four lanes of its block.
-inline F32x16 per_block(const uint16_t* h) {
-#if defined(__AVX512F__) && defined(__F16C__)
-  const __m512 v = _mm512_castps128_ps512(
-      _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h))));
+// A group's fp16 d's (or m's), each on the four lanes of its block: `count` of them
+// read from h, zeros for the rest (a row's last group may hold fewer than four).
+inline F32x16 per_block(const uint8_t* h, int64_t count) {
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
+  const __m128i bits = count == GROUP_BLOCKS
+                           ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(h))
+                           : _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << count) - 1), h);
+  const __m512 v = _mm512_castps128_ps512(_mm_cvtph_ps(bits));
   const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   return (F32x16)_mm512_permutexvar_ps(lanes, v);
 #else
-  float v[4];
-  for (int b = 0; b < 4; ++b) v[b] = half_to_float(h[b]);
+  float v[4] = {};
+  for (int64_t b = 0; b < count; ++b) {
+    uint16_t bits;
+    std::memcpy(&bits, h + 2 * b, 2);
+    v[b] = half_to_float(bits);
+  }
   return F32x16{v[0], v[0], v[0], v[0], v[1], v[1], v[1], v[1],
                 v[2], v[2], v[2], v[2], v[3], v[3], v[3], v[3]};
+#endif
+}
+
+// `n` <= 64 bytes from p, zeros after them (a masked load: copying a short group
+// into a buffer first cost more than the group's arithmetic).
+inline U8x64 load_bytes(const uint8_t* p, int64_t n) {
+  if (n == 64) return load<U8x64>(p);
+#if defined(__AVX512BW__)
+  return (U8x64)_mm512_maskz_loadu_epi8((__mmask64{1} << n) - 1, p);
+#else
+  U8x64 v = {};
+  std::memcpy(&v, p, n);
+  return v;
 #endif
 }
 
@@ -225,8 +245,31 @@ inline int64_t group_blocks(int64_t g, int64_t blocks) {
   return std::min(GROUP_BLOCKS, blocks - g * GROUP_BLOCKS);
 }
 
+// Outputs [first, last) of the TILE input rows from r0: each weight group decoded
+// once for the tile. The accumulators stay in registers because TILE is a constant:
+// indexed by a loop variable they lived on the stack, and each group's update waited
+// on a store and a load. Two sums a row (the scaled products, and Q4_1's offset
+// term), added at the end: one dependent addition a group each instead of two.
+template <typename Weights, int TILE>
+void tile_outputs(const QuantInput& q, int64_t r0, const uint8_t* wp, int64_t row_bytes,
+                  int64_t blocks, int64_t first, int64_t last, float* op, int64_t outs) {
+  QuantRow in[TILE];
+  for (int t = 0; t < TILE; ++t) in[t] = q.row(r0 + t);
+  for (int64_t n = first; n < last; ++n) {
+    F32x16 acc[TILE] = {}, offset[TILE] = {};
+    const uint8_t* w = wp + n * row_bytes;
+    for (int64_t g = 0; g < q.groups; ++g) {
+      const int64_t count = group_blocks(g, blocks);
+      __builtin_prefetch(w + PREFETCH_AHEAD);
+      Weights::template accumulate<TILE>(w, count, g, in, acc, offset);
+      w += count * Weights::BYTES;
+    }
+    for (int t = 0; t < TILE; ++t) op[(r0 + t) * outs + n] = fold(acc[t] + offset[t]);
+  }
+}
+
 // The shared walk: output rows split among threads (each output computed by one,
-// whole), input rows in tiles of ROW_TILE sharing each weight group's decoding.
+// whole), input rows in tiles of up to 8 sharing each weight group's decoding.
 // `Weights` adds a group's products into each input row's 16 lanes.
 template <typename Weights>
 at::Tensor quantized_linear(const at::Tensor& x_in, const at::Tensor& packed) {
@@ -238,22 +281,26 @@ at::Tensor quantized_linear(const at::Tensor& x_in, const at::Tensor& packed) {
   const QuantInput q = quantize_input(x);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const int64_t row_bytes = packed.size(1), whole = blocks / GROUP_BLOCKS;
+  const int64_t row_bytes = packed.size(1);
   at::parallel_for(0, (outs + OUT_CHUNK - 1) / OUT_CHUNK, 1, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t first = chunk * OUT_CHUNK, last = std::min(outs, first + OUT_CHUNK);
-      for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-        const int64_t tile = std::min(ROW_TILE, rows - r0);
-        QuantRow in[ROW_TILE];
-        for (int64_t t = 0; t < tile; ++t) in[t] = q.row(r0 + t);
-        for (int64_t n = first; n < last; ++n) {
-          F32x16 acc[ROW_TILE] = {};
-          const uint8_t* w = wp + n * row_bytes;
-          for (int64_t g = 0; g < whole; ++g, w += GROUP_BLOCKS * Weights::BYTES) {
-            Weights::accumulate(w, g, in, tile, acc);
-          }
-          if (whole < q.groups) Weights::accumulate_tail(w, blocks % GROUP_BLOCKS, whole, in, tile, acc);
-          for (int64_t t = 0; t < tile; ++t) op[(r0 + t) * outs + n] = fold(acc[t]);
+      // Tiles of 8 input rows, the rest in tiles of 4, 2, 1 (a tile's rows must be a
+      // constant for the accumulators to stay in registers).
+      for (int64_t r0 = 0; r0 < rows;) {
+        const int64_t left = rows - r0;
+        if (left >= 8) {
+          tile_outputs<Weights, 8>(q, r0, wp, row_bytes, blocks, first, last, op, outs);
+          r0 += 8;
+        } else if (left >= 4) {
+          tile_outputs<Weights, 4>(q, r0, wp, row_bytes, blocks, first, last, op, outs);
+          r0 += 4;
+        } else if (left >= 2) {
+          tile_outputs<Weights, 2>(q, r0, wp, row_bytes, blocks, first, last, op, outs);
+          r0 += 2;
+        } else {
+          tile_outputs<Weights, 1>(q, r0, wp, row_bytes, blocks, first, last, op, outs);
+          r0 += 1;
         }
       }
     }
@@ -261,55 +308,39 @@ at::Tensor quantized_linear(const at::Tensor& x_in, const at::Tensor& packed) {
   return out;
 }
 
-// A row's last group, when it holds fewer than four blocks, copied into the
-// layout of a whole group with zero weights and zero scales for the missing ones.
-template <int64_t WEIGHT_BYTES, int64_t SCALES>
-struct Padded {
-  alignas(64) uint8_t weights[WEIGHT_BYTES] = {};
-  uint16_t halves[SCALES * GROUP_BLOCKS] = {};
-};
-
 struct Q4_1 {
   static constexpr int64_t BYTES = Q4_1_BYTES;
-  // A whole group: 64 nibble bytes (16 a block), then fp16 d0..d3, then m0..m3.
-  static void accumulate(const uint8_t* w, int64_t g, const QuantRow* in, int64_t tile,
-                         F32x16* acc) {
-    const U8x64 packed = load<U8x64>(w);
-    const uint16_t* halves = reinterpret_cast<const uint16_t*>(w + 64);
+  // A group of `count` blocks: their nibble bytes (16 each), their fp16 d's, their m's.
+  template <int TILE>
+  static void accumulate(const uint8_t* w, int64_t count, int64_t g, const QuantRow* in,
+                         F32x16* acc, F32x16* offset) {
+    const U8x64 packed = load_bytes(w, 16 * count);
     const U8x64 low = packed & 0x0F;
     const U8x64 high = packed >> 4;
-    const F32x16 dl = per_block(halves), ml = per_block(halves + 4);
-    for (int64_t t = 0; t < tile; ++t) {
+    const F32x16 dl = per_block(w + 16 * count, count);
+    const F32x16 ml = per_block(w + 18 * count, count);
+    for (int t = 0; t < TILE; ++t) {
       const int8_t* codes = in[t].codes + g * GROUP;
       const I32x16 ints = dot_u8s8(low, load<I8x64>(codes), high, load<I8x64>(codes + 64));
       const F32x16 scale = load<F32x16>(in[t].scale + g * 16);
       const F32x16 sum4 = load<F32x16>(in[t].sum4 + g * 16);
       acc[t] += __builtin_convertvector(ints, F32x16) * (dl * scale);
-      acc[t] += ml * sum4;
+      offset[t] += ml * sum4;
     }
-  }
-  // The last group, of `count` < 4 blocks: count * 16 nibble bytes, count d's, count m's.
-  static void accumulate_tail(const uint8_t* w, int64_t count, int64_t g, const QuantRow* in,
-                              int64_t tile, F32x16* acc) {
-    Padded<64 + 16, 1> pad;
-    uint16_t* halves = reinterpret_cast<uint16_t*>(pad.weights + 64);
-    std::memcpy(pad.weights, w, 16 * count);
-    std::memcpy(halves, w + 16 * count, 2 * count);
-    std::memcpy(halves + 4, w + 18 * count, 2 * count);
-    accumulate(pad.weights, g, in, tile, acc);
   }
 };
 
 struct Q8_0 {
   static constexpr int64_t BYTES = Q8_0_BYTES;
-  // A whole group: 128 int8 (the blocks' low halves, then their high halves), then
-  // fp16 d0..d3.
-  static void accumulate(const uint8_t* w, int64_t g, const QuantRow* in, int64_t tile,
-                         F32x16* acc) {
-    const I8x64 low = load<I8x64>(w);
-    const I8x64 high = load<I8x64>(w + 64);
-    const F32x16 dl = per_block(reinterpret_cast<const uint16_t*>(w + 128));
-    for (int64_t t = 0; t < tile; ++t) {
+  // A group of `count` blocks: their low halves (16 int8 each), their high halves,
+  // their fp16 d's. No offset term.
+  template <int TILE>
+  static void accumulate(const uint8_t* w, int64_t count, int64_t g, const QuantRow* in,
+                         F32x16* acc, F32x16* /*offset*/) {
+    const I8x64 low = (I8x64)load_bytes(w, 16 * count);
+    const I8x64 high = (I8x64)load_bytes(w + 16 * count, 16 * count);
+    const F32x16 dl = per_block(w + 32 * count, count);
+    for (int t = 0; t < TILE; ++t) {
       const int8_t* codes = in[t].codes + g * GROUP;
       U8x64 low_mag, high_mag;
       I8x64 low_s, high_s;
@@ -319,16 +350,6 @@ struct Q8_0 {
       const F32x16 scale = load<F32x16>(in[t].scale + g * 16);
       acc[t] += __builtin_convertvector(ints, F32x16) * (dl * scale);
     }
-  }
-  // The last group, of `count` < 4 blocks: count * 16 low bytes, count * 16 high
-  // bytes, count d's.
-  static void accumulate_tail(const uint8_t* w, int64_t count, int64_t g, const QuantRow* in,
-                              int64_t tile, F32x16* acc) {
-    Padded<128 + 8, 1> pad;
-    std::memcpy(pad.weights, w, 16 * count);
-    std::memcpy(pad.weights + 64, w + 16 * count, 16 * count);
-    std::memcpy(pad.weights + 128, w + 32 * count, 2 * count);
-    accumulate(pad.weights, g, in, tile, acc);
   }
 };
 
