@@ -48,6 +48,8 @@ def sample_tokens_cpu(
     """``sample_tokens_torch``'s tokens, hashing only each row's possible winners."""
     if variant is Variant.GREEDY:
         return logits.argmax(dim=-1)
+    if seen is not None and not bool((params.penalty != 1.0).any()):
+        seen = None  # a penalty of 1 changes no logit (x * 1 and x / 1 are x): skip its pass
     greedy, scaled = race_inputs(logits, params, seen)
     top, leader = scaled.max(dim=-1)
     if not bool(torch.isfinite(top).all()):  # no bound to race within: the full race

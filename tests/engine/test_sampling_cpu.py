@@ -87,3 +87,16 @@ def test_rows_without_a_finite_maximum_fall_back_to_the_full_race() -> None:
     params.temperature[:] = 1.0
     assert_same_draws(logits, params, Variant.SAMPLE)
     assert sample_tokens_cpu(logits, params, Variant.SAMPLE)[2].item() == 5
+
+
+def test_a_penalty_of_one_everywhere_skips_its_pass_and_draws_the_same() -> None:
+    """The CPU race skips the penalty pass when no row has one (x * 1 and x / 1 are
+    x): the same tokens as the full race that applies it, negative logits included."""
+    gen = torch.Generator().manual_seed(5)
+    for step in range(8):
+        logits = llm_like_logits(8, 4096, gen) - 5
+        params = random_params(8, gen, filtered=step % 2 == 1)
+        params.temperature[:] = torch.tensor([0.3, 0.7, 1.0, 1.3, 2.0, 0.9, 0.5, 0.0])
+        params.penalty[:] = 1.0
+        seen = torch.rand(8, 4096, generator=gen) < 0.2
+        assert_same_draws(logits, params, Variant.FILTERED if step % 2 else Variant.SAMPLE, seen)
