@@ -124,6 +124,8 @@ class BlockLinear:
         self._linear = getattr(module, linear)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # the forward's case: a reshape and a view cost ~2% of a one-row step
+            return self._linear(x, self.packed)  # type: ignore[no-any-return]
         rows = x.reshape(-1, self.in_features)
         return self._linear(rows, self.packed).view(*x.shape[:-1], self.out_features)  # type: ignore[no-any-return]
 
