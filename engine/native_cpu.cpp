@@ -215,14 +215,49 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 //
 // A query's score for a key is summed over the head's dims in index order; its
 // softmax and the weighted sum of values run over its keys in index order. Up
-// to QUERY_TILE consecutive tokens of one row share each read of a block of
-// keys and of each value (a prompt's prefill is bound by those reads), but
+// to QUERY_TILE consecutive tokens of one row share each transposed block of
+// keys (the transposition is a prompt's prefill's largest cost after the
+// arithmetic) and the tile's values stay in cache between its queries, but
 // every query still does its own arithmetic in its own order: the same bits
 // alone (decode) as in any tile (prefill).
 namespace {
-constexpr int64_t QUERY_TILE = 8;
+constexpr int64_t QUERY_TILE = 16;
 constexpr int64_t KEY_BLOCK = 16;
 typedef float KeyLanes __attribute__((vector_size(KEY_BLOCK * sizeof(float))));
+
+// out[d] = sum over keys k < seen, in order, of p[k] * values[k][d]: 64 dims at a
+// time in four registers (four independent chains), then 16, then one. Every
+// element is the same chain of multiply-adds in every branch.
+inline void weighted_values(const float* p, int64_t seen, const float* const* values,
+                            int64_t dim, float* out) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * KEY_BLOCK <= dim; d0 += 4 * KEY_BLOCK) {
+    KeyLanes a[4] = {};
+    for (int64_t key = 0; key < seen; ++key) {
+      const float* v = values[key] + d0;
+      for (int u = 0; u < 4; ++u) {
+        KeyLanes row;
+        std::memcpy(&row, v + u * KEY_BLOCK, sizeof(row));
+        a[u] += p[key] * row;
+      }
+    }
+    std::memcpy(out + d0, a, sizeof(a));
+  }
+  for (; d0 + KEY_BLOCK <= dim; d0 += KEY_BLOCK) {
+    KeyLanes a = {};
+    for (int64_t key = 0; key < seen; ++key) {
+      KeyLanes row;
+      std::memcpy(&row, values[key] + d0, sizeof(row));
+      a += p[key] * row;
+    }
+    std::memcpy(out + d0, &a, sizeof(a));
+  }
+  for (; d0 < dim; ++d0) {
+    float a = 0.0f;
+    for (int64_t key = 0; key < seen; ++key) a += p[key] * values[key][d0];
+    out[d0] = a;
+  }
+}
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -277,6 +312,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     std::vector<float> acc(static_cast<size_t>(most * dim));
     std::vector<float> keys_t(static_cast<size_t>(dim * KEY_BLOCK));  // [D][KEY_BLOCK]
     std::vector<int64_t> seen_of(static_cast<size_t>(most));
+    std::vector<int64_t> active(static_cast<size_t>(most));
+    std::vector<const float*> values(static_cast<size_t>(padded));  // a key's value row
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task / kv_heads, g = task % kv_heads;
       const int64_t first = tile_start[tile], count = tile_start[tile + 1] - first;
@@ -290,6 +327,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
         reach = std::max(reach, pos[first + i] + 1);
       }
       const int64_t heads = count * group;
+      auto query_of = [&](int64_t qh) {
+        return qp + ((first + qh / group) * q_heads + g * group + qh % group) * dim;
+      };
       // Scores, a block of keys at a time: the block transposed once, then each
       // query's 16 scores summed over the dims in order (lanes across keys).
       for (int64_t base = 0; base < reach; base += KEY_BLOCK) {
@@ -302,10 +342,30 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
             for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = 0.0f;
           }
         }
+        // The query heads that see this block, four at a time: each row of the
+        // block is read once for four independent sums (one chain each), where one
+        // query alone waited on its own chain of dim dependent additions.
+        int64_t live = 0;
         for (int64_t qh = 0; qh < heads; ++qh) {
-          if (seen_of[qh] <= base) continue;
-          const int64_t i = qh / group, h = qh % group;
-          const float* query = qp + ((first + i) * q_heads + g * group + h) * dim;
+          if (seen_of[qh] > base) active[live++] = qh;
+        }
+        int64_t j = 0;
+        for (; j + 4 <= live; j += 4) {
+          const float* query[4];
+          for (int u = 0; u < 4; ++u) query[u] = query_of(active[j + u]);
+          KeyLanes lanes[4] = {};
+          for (int64_t d = 0; d < dim; ++d) {
+            KeyLanes row;
+            std::memcpy(&row, keys_t.data() + d * KEY_BLOCK, sizeof(row));
+            for (int u = 0; u < 4; ++u) lanes[u] += query[u][d] * row;
+          }
+          for (int u = 0; u < 4; ++u) {
+            lanes[u] *= scalef;
+            std::memcpy(scores.data() + active[j + u] * padded + base, &lanes[u], sizeof(KeyLanes));
+          }
+        }
+        for (; j < live; ++j) {
+          const float* query = query_of(active[j]);
           // A register of KEY_BLOCK lanes, one a key (GCC's vector extension: kept in
           // registers, where a plain array was spilled to memory every dim).
           KeyLanes lanes = {};
@@ -315,29 +375,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
             lanes += query[d] * row;
           }
           lanes *= scalef;
-          std::memcpy(scores.data() + qh * padded + base, &lanes, sizeof(lanes));
+          std::memcpy(scores.data() + active[j] * padded + base, &lanes, sizeof(lanes));
         }
       }
       // Softmax of each query head over its own keys (normalized at the end).
       for (int64_t qh = 0; qh < heads; ++qh) {
         const int64_t seen = seen_of[qh];
-        std::fill(acc.begin() + qh * dim, acc.begin() + (qh + 1) * dim, 0.0f);
         if (seen == 0) continue;
         float* s = scores.data() + qh * padded;
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t key = 0; key < seen; ++key) top = std::max(top, s[key]);
         for (int64_t key = 0; key < seen; ++key) s[key] = fast_exp(s[key] - top);
       }
-      // Values: each read once for the tile, added into every query head that
-      // sees it, key by key in order.
+      // Values: each query head's sum over its keys in order, in registers (the tile's
+      // values stay in cache between its query heads).
       for (int64_t key = 0; key < reach; ++key) {
-        const float* v = vp + slot_of(key) * slot_stride + g * dim;
-        for (int64_t qh = 0; qh < heads; ++qh) {
-          if (key >= seen_of[qh]) continue;
-          const float p = scores[qh * padded + key];
-          float* a = acc.data() + qh * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
-        }
+        values[key] = vp + slot_of(key) * slot_stride + g * dim;
+      }
+      for (int64_t qh = 0; qh < heads; ++qh) {
+        weighted_values(scores.data() + qh * padded, seen_of[qh], values.data(), dim,
+                        acc.data() + qh * dim);
       }
       for (int64_t qh = 0; qh < heads; ++qh) {
         const int64_t seen = seen_of[qh];
