@@ -116,35 +116,12 @@ def on_native_path(x: torch.Tensor) -> bool:
 
 
 class NativeKernels:
-    """The layer program's three fused steps (``engine/fused.py``), from the C++."""
+    """``LayerKernels`` (``engine/fused.py``) of the C++."""
 
     def __init__(self, module: ModuleType) -> None:
-        self.module = module
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        total, normed = self.module.add_rms_norm(x.contiguous(), residual, weight, eps)
-        return total, normed
-
-    def rope_cache(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slots: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        q_heads: int,
-    ) -> torch.Tensor:
-        q = self.module.rope_cache(
-            qkv.contiguous(), positions, cos, sin, slots, k_cache, v_cache, q_heads
-        )
-        return q  # type: ignore[no-any-return]
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.module.silu_mul(gate_up.contiguous())  # type: ignore[no-any-return]
+        self.add_rms_norm = module.add_rms_norm
+        self.rope_cache = module.rope_cache
+        self.silu_mul = module.silu_mul
 
 
 def paged_attention(
@@ -161,9 +138,7 @@ def paged_attention(
     block_size, Hkv, D]``; ``block_tables`` [R, n] int64."""
     module = kernels()
     assert module is not None, "paged_attention without the native kernels"
-    out = module.paged_attention(
-        q.contiguous(), k_cache, v_cache, block_tables, rows, query_pos, scale
-    )
+    out = module.paged_attention(q, k_cache, v_cache, block_tables, rows, query_pos, scale)
     return out  # type: ignore[no-any-return]
 
 

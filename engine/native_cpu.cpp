@@ -11,7 +11,7 @@
 // (which the compiler turns into vector registers without reordering them),
 // then a fixed tree.
 //
-// Float32 tensors only, contiguous (engine/native.py checks before calling).
+// Float32 tensors only; inputs of any layout, caches and weights contiguous.
 
 #include <torch/extension.h>
 
@@ -82,6 +82,13 @@ void check_float(const at::Tensor& t, const char* name) {
               name, " must be a contiguous float32 CPU tensor");
 }
 
+// An input read only: any layout (copied when not contiguous).
+at::Tensor float_input(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
+              name, " must be a float32 CPU tensor");
+  return t.contiguous();
+}
+
 void check_index(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(),
               name, " must be a contiguous int64 CPU tensor");
@@ -95,9 +102,10 @@ constexpr int64_t ROW_GRAIN = 16;
 
 // residual <- x + residual (or x, when residual is undefined); returns
 // (residual, rms_norm(residual) * weight), both [N, hidden].
-std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x_in,
+                                     const c10::optional<at::Tensor>& residual,
                                      const at::Tensor& weight, double eps) {
-  check_float(x, "x");
+  const at::Tensor x = float_input(x_in, "x");
   check_float(weight, "weight");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
               "x [N, hidden] and weight [hidden] do not fit");
@@ -137,10 +145,10 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at
 // k rotated and v stored into the caches [blocks, block_size, Hkv, D] at flat
 // slots [N] (a negative slot stores nothing). The rotary of transformers'
 // apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, tables [positions, D].
-at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+at::Tensor rope_cache(const at::Tensor& qkv_in, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin, const at::Tensor& slots, at::Tensor k_cache,
                       at::Tensor v_cache, int64_t q_heads) {
-  check_float(qkv, "qkv");
+  const at::Tensor qkv = float_input(qkv_in, "qkv");
   check_float(cos, "cos");
   check_float(sin, "sin");
   check_float(k_cache, "k_cache");
@@ -191,8 +199,8 @@ at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& positions, const 
 }
 
 // gate_up [N, 2 I] (gate, then up) -> silu(gate) * up [N, I].
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_float(gate_up, "gate_up");
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  const at::Tensor gate_up = float_input(gate_up_in, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [N, 2 I]");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, inner}, gate_up.options());
@@ -260,10 +268,10 @@ inline void weighted_values(const float* p, int64_t seen, const float* const* va
 }
 }  // namespace
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& rows, const at::Tensor& query_pos, double scale) {
-  check_float(q, "q");
+  const at::Tensor q = float_input(q_in, "q");
   check_float(k_cache, "k_cache");
   check_float(v_cache, "v_cache");
   check_index(block_tables, "block_tables");

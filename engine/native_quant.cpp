@@ -310,6 +310,12 @@ at::Tensor quantized_linear(const at::Tensor& x_in, const at::Tensor& packed) {
 
 struct Q4_1 {
   static constexpr int64_t BYTES = Q4_1_BYTES;
+  // A file block (fp16 d, fp16 m, 16 nibble bytes) as block b of a packed group.
+  static void place(const uint8_t* block, int64_t b, int64_t count, uint8_t* group) {
+    std::memcpy(group + 16 * b, block + 4, 16);
+    std::memcpy(group + 16 * count + 2 * b, block, 2);
+    std::memcpy(group + 18 * count + 2 * b, block + 2, 2);
+  }
   // A group of `count` blocks: their nibble bytes (16 each), their fp16 d's, their m's.
   template <int TILE>
   static void accumulate(const uint8_t* w, int64_t count, int64_t g, const QuantRow* in,
@@ -332,6 +338,12 @@ struct Q4_1 {
 
 struct Q8_0 {
   static constexpr int64_t BYTES = Q8_0_BYTES;
+  // A file block (fp16 d, 32 int8) as block b of a packed group.
+  static void place(const uint8_t* block, int64_t b, int64_t count, uint8_t* group) {
+    std::memcpy(group + 16 * b, block + 2, 16);
+    std::memcpy(group + 16 * count + 16 * b, block + 18, 16);
+    std::memcpy(group + 32 * count + 2 * b, block, 2);
+  }
   // A group of `count` blocks: their low halves (16 int8 each), their high halves,
   // their fp16 d's. No offset term.
   template <int TILE>
@@ -361,6 +373,27 @@ at::Tensor check_raw(const at::Tensor& raw, int64_t block_bytes, const char* kin
   return raw.contiguous();
 }
 
+// A file's rows re-ordered group by group; `Weights::place` puts block b of a
+// group of `count` where the kernel reads it.
+template <typename Weights>
+at::Tensor pack(const at::Tensor& raw_in, const char* kind) {
+  const at::Tensor raw = check_raw(raw_in, Weights::BYTES, kind);
+  at::Tensor out = at::empty_like(raw);
+  const int64_t rows = raw.size(0), blocks = raw.size(1) / Weights::BYTES;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = raw.data_ptr<uint8_t>() + r * raw.size(1);
+    uint8_t* dst = out.data_ptr<uint8_t>() + r * raw.size(1);
+    for (int64_t b0 = 0; b0 < blocks; b0 += GROUP_BLOCKS) {
+      const int64_t count = group_blocks(b0 / GROUP_BLOCKS, blocks);
+      for (int64_t b = 0; b < count; ++b) {
+        Weights::place(src + (b0 + b) * Weights::BYTES, b, count, dst);
+      }
+      dst += count * Weights::BYTES;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 // x [rows, in] float32 times the packed Q4_1 weight [out, in / 32 * 20] transposed.
@@ -374,45 +407,7 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed) {
 }
 
 // The file's Q4_1 rows (per block: fp16 d, fp16 m, 16 nibble bytes) in group order.
-at::Tensor pack_q4_1(const at::Tensor& raw_in) {
-  const at::Tensor raw = check_raw(raw_in, Q4_1_BYTES, "Q4_1");
-  at::Tensor out = at::empty_like(raw);
-  const int64_t rows = raw.size(0), blocks = raw.size(1) / Q4_1_BYTES;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* src = raw.data_ptr<uint8_t>() + r * raw.size(1);
-    uint8_t* dst = out.data_ptr<uint8_t>() + r * raw.size(1);
-    for (int64_t b0 = 0; b0 < blocks; b0 += GROUP_BLOCKS) {
-      const int64_t count = group_blocks(b0 / GROUP_BLOCKS, blocks);
-      for (int64_t b = 0; b < count; ++b) {
-        const uint8_t* block = src + (b0 + b) * Q4_1_BYTES;
-        std::memcpy(dst + 16 * b, block + 4, 16);
-        std::memcpy(dst + 16 * count + 2 * b, block, 2);
-        std::memcpy(dst + 18 * count + 2 * b, block + 2, 2);
-      }
-      dst += count * Q4_1_BYTES;
-    }
-  }
-  return out;
-}
+at::Tensor pack_q4_1(const at::Tensor& raw) { return pack<Q4_1>(raw, "Q4_1"); }
 
 // The file's Q8_0 rows (per block: fp16 d, 32 int8) in group order.
-at::Tensor pack_q8_0(const at::Tensor& raw_in) {
-  const at::Tensor raw = check_raw(raw_in, Q8_0_BYTES, "Q8_0");
-  at::Tensor out = at::empty_like(raw);
-  const int64_t rows = raw.size(0), blocks = raw.size(1) / Q8_0_BYTES;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* src = raw.data_ptr<uint8_t>() + r * raw.size(1);
-    uint8_t* dst = out.data_ptr<uint8_t>() + r * raw.size(1);
-    for (int64_t b0 = 0; b0 < blocks; b0 += GROUP_BLOCKS) {
-      const int64_t count = group_blocks(b0 / GROUP_BLOCKS, blocks);
-      for (int64_t b = 0; b < count; ++b) {
-        const uint8_t* block = src + (b0 + b) * Q8_0_BYTES;
-        std::memcpy(dst + 16 * b, block + 2, 16);
-        std::memcpy(dst + 16 * count + 16 * b, block + 18, 16);
-        std::memcpy(dst + 32 * count + 2 * b, block, 2);
-      }
-      dst += count * Q8_0_BYTES;
-    }
-  }
-  return out;
-}
+at::Tensor pack_q8_0(const at::Tensor& raw) { return pack<Q8_0>(raw, "Q8_0"); }

@@ -149,6 +149,23 @@ def test_rows_are_the_same_bits_in_any_batch() -> None:
         assert torch.equal(module.silu_mul(gate_up[r : r + 1])[0], mlp[r])
 
 
+def test_inputs_of_any_layout_are_read_as_their_values() -> None:
+    """Views (a column slice, a transpose) give the same bits as their contiguous
+    copies: the kernels copy an input that is not contiguous."""
+    g = _gen(4)
+    wide = torch.randn(6, 2 * 576, generator=g)
+    x, res, weight = wide[:, ::2], torch.randn(6, 576, generator=g), torch.rand(576, generator=g)
+    assert not x.is_contiguous()
+    for got, want in zip(
+        module.add_rms_norm(x, res, weight, 1e-5),
+        module.add_rms_norm(x.contiguous(), res, weight, 1e-5),
+        strict=True,
+    ):
+        assert torch.equal(got, want)
+    gate_up = torch.randn(3072, 5, generator=g).t()
+    assert torch.equal(module.silu_mul(gate_up), module.silu_mul(gate_up.contiguous()))
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
