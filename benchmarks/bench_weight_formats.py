@@ -140,7 +140,8 @@ def weight_formats_table(loaded: LoadedModel, tokens: int, formats: dict[str, bo
         "float32 | same top token | batch-invariant | takeover-invariant |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    reference = EngineCore(loaded, EngineConfig(max_batch_size=8)).model
+    float32 = EngineConfig(max_batch_size=8, quantized_cpu_weights=False)
+    reference = EngineCore(loaded, float32).model
     base: tuple[float, float] | None = None
     for name, quantized in formats.items():
         config = EngineConfig(max_batch_size=8, quantized_cpu_weights=quantized)

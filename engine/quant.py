@@ -34,10 +34,16 @@ the layers multiply the file's blocks with them instead (``BlockLinear``,
 ``engine/native_quant.cpp``), as llama.cpp does: each activation row is quantized
 to int8 per block of 32 inputs (one float scale a block) and each block's products
 are summed as integers, with AVX-512 VNNI or AVX2 where the CPU has them. The
-output layer keeps the file's own Q8_0 blocks (no re-quantization), and neither
-bfloat16 nor a per-row re-quantization is involved. Integer sums are exact and
-the float arithmetic per block is fixed by the code, so a row's logits are the
-same bits at any batch size, as with the torch kernels.
+output layer keeps the file's own Q8_0 blocks (no re-quantization). Integer sums
+are exact and the float arithmetic per block is fixed by the code, so a row's
+logits are the same bits at any batch size, as with the torch kernels. The int8
+activations cost accuracy, as they do in llama.cpp: against the float32 model
+(``bench_weight_formats.py``, 207 positions) the mean KL divergence is 0.0156
+nats and the top token agrees at 92.9% of positions, where torch's kernels give
+0.0016 and 97.1%. Nearly all of it is the layers' activations: the Q8_0 output
+layer alone costs 0.0008 (the per-row int8 one 0.0016). Measured on one machine,
+1.3x (1 stream) to 1.6x (32) the decode tok/s of torch's kernels
+(``bench_cpu_kernels.py``).
 
 Other tensor types keep the float32 path.
 """

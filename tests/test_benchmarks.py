@@ -20,7 +20,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.models import tiny_model_dir
+from tests.models import default_model_available, tiny_model_dir
 from wsinfer.engine.model import LoadedModel, load_model
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -480,3 +480,21 @@ def test_bench_cpu_compile_times_the_compiled_step_against_the_eager_one() -> No
     for row in rows:  # "equal / compared": every decode step of the run compared
         equal, compared = (int(n) for n in row[5].split(" / "))
         assert compared == 4 + 1 and 0 <= equal <= compared  # the first decode step too
+
+
+def test_bench_cpu_kernels_puts_each_kernel_set_beside_its_baseline(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from wsinfer.engine import native
+
+    if not default_model_available() or native.kernels() is None:
+        pytest.skip("needs the default model and the native kernels")
+    args = ["--batches", "1,2", "--tokens", "3", "--prompts", "20,40", "--rounds", "1"]
+    load_script("bench_cpu_kernels").main([*args, "--threads", "1"])
+    out = capsys.readouterr().out
+    decode, prefill = out.split("Prefill")
+    assert [row[0] for row in data_rows(decode.splitlines())] == ["1", "2"]
+    assert [row[0] for row in data_rows(prefill.splitlines())] == ["20", "40"]
+    for table in (decode, prefill):
+        for row in data_rows(table.splitlines()):
+            assert all(float(cell.rstrip("x")) > 0 for cell in row[1:])
