@@ -5,6 +5,9 @@ its company and of the threads, bad input refused with a clear error."""
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -157,3 +160,60 @@ def test_a_non_contiguous_input_is_multiplied_as_its_values() -> None:
     linear = BlockLinear("Q8_0", random_q8_0(8, 64, 6)[0], 64)
     wide = torch.randn(4, 128)
     assert torch.equal(linear(wide[:, ::2]), linear(wide[:, ::2].contiguous()))
+
+
+@pytest.mark.slow  # two more builds of the extension, ~40 s each
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction sets")
+def test_the_avx2_and_portable_builds_compute_what_this_cpus_build_does(
+    tmp_path: Path,
+) -> None:
+    """The branches this CPU does not take, built for other x86 CPUs and run here: the
+    AVX2 build (``maddubs``) gives the very bits of this machine's build (AVX-512 VNNI
+    here: the same integer sums, the same float steps); the portable one (no FMA: a
+    multiply and an add rounded apart) the same values to float32 rounding."""
+    from torch.utils import cpp_extension
+
+    native._put_ninja_on_path()
+    builds = {}
+    # A Haswell build runs only where the CPU has what -march=haswell may use.
+    marches = ["x86-64"] + (["haswell"] if _has(*HASWELL) else [])
+    for march in marches:
+        (tmp_path / march).mkdir()
+        builds[march] = cpp_extension.load(
+            name=f"wsinfer_native_test_{march.replace('-', '_')}",
+            sources=[str(path) for path in native.SOURCES],
+            extra_cflags=["-O3", f"-march={march}", *native.CFLAGS[2:]],
+            build_directory=str(tmp_path / march),
+            verbose=False,
+        )
+    assert module is not None
+    for cols in (32, 96, 160, 576):
+        q4_1 = torch.from_numpy(random_q4_1(50, cols, cols))
+        q8_0 = torch.from_numpy(random_q8_0(50, cols, cols)[0])
+        x = torch.randn(9, cols, generator=torch.Generator().manual_seed(cols))
+        want = (
+            module.q4_1_linear(x, module.pack_q4_1(q4_1)),
+            module.q8_0_linear(x, module.pack_q8_0(q8_0)),
+        )
+        for march, build in builds.items():
+            got = (
+                build.q4_1_linear(x, build.pack_q4_1(q4_1)),
+                build.q8_0_linear(x, build.pack_q8_0(q8_0)),
+            )
+            for ours, theirs in zip(got, want, strict=True):
+                if march == "haswell":
+                    assert torch.equal(ours, theirs), (march, cols)
+                else:
+                    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+HASWELL = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
+
+
+def _has(*flags: str) -> bool:
+    """Whether this CPU has every one of ``flags`` (as /proc/cpuinfo names them)."""
+    try:
+        listed = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return all(flag in listed for flag in flags)
