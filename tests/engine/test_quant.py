@@ -23,6 +23,7 @@ from wsinfer.engine.quant import (
     Int4Linear,
     Int8Linear,
     QuantError,
+    _output_layer,
     cpu_quantized_model,
     dequantize_q4_1,
     int4_linear,
@@ -144,6 +145,33 @@ def test_the_gguf_blocks_are_the_converted_models_weights(smol: LoadedModel) -> 
         codes, d, m = tensors.q4_1(f"blk.7.{name}.weight", heads)
         got = (codes.view(codes.shape[0], -1, 32) * d[..., None] + m[..., None]).flatten(1)
         assert torch.equal(got, module.weight.detach()), name
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="the native kernels did not build here")
+def test_an_output_layer_the_blocks_cannot_take_is_re_quantized_to_int8(
+    tiny: LoadedModel,
+) -> None:
+    """The file's output layer is used as it is only when it is Q8_0 of the model's
+    shape; any other type or shape falls back to the float one as int8 per row."""
+    fast = fast_model_for(tiny.model, 64, True)
+    vocab, hidden = fast.lm_head.matrix().shape  # type: ignore[attr-defined]
+
+    class Tensors:
+        def __init__(self, kind: str, rows: int) -> None:
+            self.kind_of, self.rows_of = kind, rows
+
+        def kind(self, name: str) -> str | None:
+            return self.kind_of if name == "token_embd.weight" else None
+
+        def rows(self, name: str, kind: str) -> tuple[np.ndarray, int]:
+            return np.zeros((self.rows_of, hidden // 32 * 34), np.uint8), hidden
+
+    fits = _output_layer(fast, Tensors("Q8_0", vocab), True)  # type: ignore[arg-type]
+    assert isinstance(fits, BlockLinear) and fits.kind == "Q8_0"
+    for kind, rows in (("Q6_K", vocab), ("Q8_0", vocab - 1)):
+        head = _output_layer(fast, Tensors(kind, rows), True)  # type: ignore[arg-type]
+        assert isinstance(head, Int8Linear), (kind, rows)
+    assert isinstance(_output_layer(fast, Tensors("Q8_0", vocab), False), Int8Linear)  # type: ignore[arg-type]
 
 
 def test_a_gguf_that_does_not_fit_the_model_is_refused(
