@@ -41,9 +41,9 @@ activations cost accuracy, as they do in llama.cpp: against the float32 model
 (``bench_weight_formats.py``, 207 positions) the mean KL divergence is 0.0156
 nats and the top token agrees at 92.9% of positions, where torch's kernels give
 0.0016 and 97.1%. Nearly all of it is the layers' activations: the Q8_0 output
-layer alone costs 0.0008 (the per-row int8 one 0.0016). Measured on one machine,
-1.3x (1 stream) to 1.6x (32) the decode tok/s of torch's kernels
-(``bench_cpu_kernels.py``).
+layer alone costs 0.0008 (the per-row int8 one 0.0016). In return, 1.2x to 1.6x
+the decode tok/s of torch's kernels at 1 to 32 streams (``bench_cpu_kernels.py``,
+two runs on one machine).
 
 Other tensor types keep the float32 path.
 """
