@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 from tests.models import default_model_available, tiny_model_dir
 from wsinfer.engine.model import LoadedModel, load_model
@@ -490,7 +491,11 @@ def test_bench_cpu_kernels_puts_each_kernel_set_beside_its_baseline(
     if not default_model_available() or native.kernels() is None:
         pytest.skip("needs the default model and the native kernels")
     args = ["--batches", "1,2", "--tokens", "3", "--prompts", "20,40", "--rounds", "1"]
-    load_script("bench_cpu_kernels").main([*args, "--threads", "1"])
+    threads = torch.get_num_threads()
+    try:
+        load_script("bench_cpu_kernels").main([*args, "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)  # the script sets this process's threads
     out = capsys.readouterr().out
     decode, prefill = out.split("Prefill")
     assert [row[0] for row in data_rows(decode.splitlines())] == ["1", "2"]
