@@ -233,6 +233,31 @@ constexpr int64_t QUERY_TILE = 16;
 constexpr int64_t KEY_BLOCK = 16;
 typedef float KeyLanes __attribute__((vector_size(KEY_BLOCK * sizeof(float))));
 
+// The scores of U query heads (heads[0..U), each at q + offset(head)) for one
+// transposed block of KEY_BLOCK keys: each query's lanes summed over the dims in
+// order, times scale, stored at scores + head * stride. U > 1 reads each row of
+// the block once for U independent sums; a query alone waits on its own chain of
+// dim dependent additions. A query's arithmetic is the same for every U.
+template <int U, typename Offset>
+inline void score_block(const float* q, const int64_t* heads, const Offset& offset,
+                        const float* keys_t, int64_t dim, float scale, float* scores,
+                        int64_t stride) {
+  const float* query[U];
+  for (int u = 0; u < U; ++u) query[u] = q + offset(heads[u]);
+  // Registers of KEY_BLOCK lanes, one a key (GCC's vector extension: kept in
+  // registers, where a plain array was spilled to memory every dim).
+  KeyLanes lanes[U] = {};
+  for (int64_t d = 0; d < dim; ++d) {
+    KeyLanes row;
+    std::memcpy(&row, keys_t + d * KEY_BLOCK, sizeof(row));
+    for (int u = 0; u < U; ++u) lanes[u] += query[u][d] * row;
+  }
+  for (int u = 0; u < U; ++u) {
+    lanes[u] *= scale;
+    std::memcpy(scores + heads[u] * stride, &lanes[u], sizeof(KeyLanes));
+  }
+}
+
 // out[d] = sum over keys k < seen, in order, of p[k] * values[k][d]: 64 dims at a
 // time in four registers (four independent chains), then 16, then one. Every
 // element is the same chain of multiply-adds in every branch.
@@ -335,8 +360,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
         reach = std::max(reach, pos[first + i] + 1);
       }
       const int64_t heads = count * group;
-      auto query_of = [&](int64_t qh) {
-        return qp + ((first + qh / group) * q_heads + g * group + qh % group) * dim;
+      // Where query head qh of the tile (and its output) starts in q (and out).
+      auto head_offset = [&](int64_t qh) {
+        return ((first + qh / group) * q_heads + g * group + qh % group) * dim;
       };
       // Scores, a block of keys at a time: the block transposed once, then each
       // query's 16 scores summed over the dims in order (lanes across keys).
@@ -350,40 +376,19 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
             for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = 0.0f;
           }
         }
-        // The query heads that see this block, four at a time: each row of the
-        // block is read once for four independent sums (one chain each), where one
-        // query alone waited on its own chain of dim dependent additions.
+        // The query heads that see this block, four at a time, then one at a time.
         int64_t live = 0;
         for (int64_t qh = 0; qh < heads; ++qh) {
           if (seen_of[qh] > base) active[live++] = qh;
         }
         int64_t j = 0;
         for (; j + 4 <= live; j += 4) {
-          const float* query[4];
-          for (int u = 0; u < 4; ++u) query[u] = query_of(active[j + u]);
-          KeyLanes lanes[4] = {};
-          for (int64_t d = 0; d < dim; ++d) {
-            KeyLanes row;
-            std::memcpy(&row, keys_t.data() + d * KEY_BLOCK, sizeof(row));
-            for (int u = 0; u < 4; ++u) lanes[u] += query[u][d] * row;
-          }
-          for (int u = 0; u < 4; ++u) {
-            lanes[u] *= scalef;
-            std::memcpy(scores.data() + active[j + u] * padded + base, &lanes[u], sizeof(KeyLanes));
-          }
+          score_block<4>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
+                         scores.data() + base, padded);
         }
         for (; j < live; ++j) {
-          const float* query = query_of(active[j]);
-          // A register of KEY_BLOCK lanes, one a key (GCC's vector extension: kept in
-          // registers, where a plain array was spilled to memory every dim).
-          KeyLanes lanes = {};
-          for (int64_t d = 0; d < dim; ++d) {
-            KeyLanes row;
-            std::memcpy(&row, keys_t.data() + d * KEY_BLOCK, sizeof(row));
-            lanes += query[d] * row;
-          }
-          lanes *= scalef;
-          std::memcpy(scores.data() + active[j] * padded + base, &lanes, sizeof(lanes));
+          score_block<1>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
+                         scores.data() + base, padded);
         }
       }
       // Softmax of each query head over its own keys (normalized at the end).
@@ -407,9 +412,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
       for (int64_t qh = 0; qh < heads; ++qh) {
         const int64_t seen = seen_of[qh];
         if (seen == 0) continue;
-        const int64_t i = qh / group, h = qh % group;
         const float inv = 1.0f / sum(scores.data() + qh * padded, seen);
-        float* o = op + ((first + i) * q_heads + g * group + h) * dim;
+        float* o = op + head_offset(qh);
         const float* a = acc.data() + qh * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * inv;
       }
