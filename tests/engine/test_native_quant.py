@@ -211,9 +211,7 @@ HASWELL = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
 
 
 def _has(*flags: str) -> bool:
-    """Whether this CPU has every one of ``flags`` (as /proc/cpuinfo names them)."""
-    try:
-        listed = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    """Whether this CPU has every one of ``flags`` (as /proc/cpuinfo names them), from
+    the CPU identity the kernel cache is keyed by."""
+    listed = native._cpu_identity().split()
     return all(flag in listed for flag in flags)
