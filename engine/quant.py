@@ -279,11 +279,12 @@ def _output_layer(fast: FastLlama, tensors: GgufTensors, blocks: bool) -> BlockL
     head = fast.lm_head
     assert isinstance(head, Linear)
     name = "output.weight" if tensors.kind("output.weight") is not None else "token_embd.weight"
+    weight = head.matrix()
     if blocks and tensors.kind(name) == "Q8_0":
         raw, columns = tensors.rows(name, "Q8_0")
-        if raw.shape[0] == head.matrix().shape[0] and columns == head.matrix().shape[1]:
+        if (raw.shape[0], columns) == tuple(weight.shape):
             return BlockLinear("Q8_0", raw, columns)
-    return Int8Linear(head.matrix())
+    return Int8Linear(weight)
 
 
 def cpu_quantized_model(model: Any, fast: FastLlama, gguf: Path) -> FastLlama:
