@@ -56,6 +56,9 @@ class CachedAttention(AttentionContext, Protocol):
 
     pool: KVPoolLayers
     slots: torch.Tensor  # [N] flat slot of each token
+    # Where the native kernel attends (block tables, each token's row, its position);
+    # None off the native path.
+    kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention output for ``q`` [N, Hq, D] over the cache, k/v already stored."""
@@ -230,7 +233,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def attention_is_native(attention: CachedAttention) -> bool:
     """Whether ``attention`` attends through the native kernel: the native forward
     runs only beside it, so that the whole CPU forward is one or the other."""
-    return bool(getattr(attention, "native", False))
+    return getattr(attention, "kernel_rows", None) is not None
 
 
 class FastLlama:
@@ -280,6 +283,9 @@ class FastLlama:
         self.cos, self.sin = self.tables[0]
         # Whether CUDA tensors may take the fused kernels (engine/fused.py).
         self.fusable = covers(self)
+        # The C++ layer stack (engine/native_layers.cpp) the quantized CPU core builds
+        # when every linear layer multiplies GGUF blocks; the native forward runs it.
+        self.layer_stack: Any = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionContext

@@ -6,7 +6,10 @@ microseconds of bookkeeping, not its arithmetic (``benchmarks/profile_step.py``:
 RMSNorm alone 26 us a call through ``F.rms_norm``). Here a layer is its four
 matmuls and four calls: add + RMSNorm (twice), rotary + KV write, SiLU * mul, and
 attention over the paged cache, as the GPU's fused kernels do
-(``engine/fused.py`` runs the same layer program with either set).
+(``engine/fused.py`` runs the same layer program with either set). Where every
+linear layer multiplies GGUF blocks (the quantized default), the whole layer
+program is one C++ call (``native_layers.cpp``): the same kernels in the same
+order, without the interpreter between them.
 
 A token's results depend on nothing but its own inputs, summed in an order the
 C++ fixes: a row is the same bits alone or batched, and a prefill recomputes the
@@ -37,8 +40,12 @@ import torch
 if TYPE_CHECKING:
     from .llama import CachedAttention, FastLlama
 
-# The bindings live in the first; the quantized linear layers in the second.
-SOURCES = [Path(__file__).with_name(name) for name in ("native_cpu.cpp", "native_quant.cpp")]
+# The bindings live in the first; the quantized linear layers in the second; the
+# layer stack over them in the third.
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("native_cpu.cpp", "native_quant.cpp", "native_layers.cpp")
+]
 log = structlog.get_logger("wsinfer.engine.native")
 # -march=native: the library is built on, and kept for, this CPU (the cache key).
 # -fopenmp: at::parallel_for is inline; without it the kernels run on one thread
@@ -150,4 +157,12 @@ def native_forward(
 
     module = kernels()
     assert module is not None, "native_forward without the native kernels"
-    return layer_program(model, input_ids, positions, attention, NativeKernels(module))
+    stack = model.layer_stack
+    if stack is None:
+        return layer_program(model, input_ids, positions, attention, NativeKernels(module))
+    # The same kernels in the same order, in one call (engine/native_layers.cpp).
+    assert attention.kernel_rows is not None
+    x = torch.nn.functional.embedding(input_ids, model.embed)
+    pool = attention.pool
+    out = stack.forward(x, positions, attention.slots, pool.k, pool.v, *attention.kernel_rows)
+    return out  # type: ignore[no-any-return]

@@ -427,6 +427,8 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor pack_q4_1(const at::Tensor& raw);
 at::Tensor pack_q8_0(const at::Tensor& raw);
+// engine/native_layers.cpp
+void bind_layer_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm");
@@ -437,4 +439,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_linear", &q8_0_linear, "x times a packed Q8_0 weight, transposed");
   m.def("pack_q4_1", &pack_q4_1, "a GGUF's Q4_1 rows in the kernel's group order");
   m.def("pack_q8_0", &pack_q8_0, "a GGUF's Q8_0 rows in the kernel's group order");
+  bind_layer_stack(m);
 }

@@ -246,7 +246,34 @@ def quantized_model(fast: FastLlama, gguf: Path, blocks: bool | None = None) -> 
             continue
         _quantize_layer(layer, i, tensors, fast, blocks)
     quant.lm_head = _output_layer(fast, tensors, blocks)
+    quant.layer_stack = layer_stack(quant)
     return quant
+
+
+def layer_stack(model: FastLlama) -> Any:
+    """The C++ ``LayerStack`` (engine/native_layers.cpp) over ``model``'s layers, when the
+    native forward runs them (``fused.covers``) and every linear layer is a
+    ``BlockLinear``; else None (the layer program in Python, kernel by kernel)."""
+    module = native.kernels()
+    linears = [getattr(layer, name) for layer in model.layers for name in _LINEARS]
+    if module is None or not model.fusable or not all(isinstance(x, BlockLinear) for x in linears):
+        return None
+    norms = [norm for layer in model.layers for norm in (layer.norm_attn_in, layer.norm_mlp_in)]
+    return module.LayerStack(
+        packed=[linear.packed for linear in linears],
+        kinds=[linear.kind for linear in linears],
+        norms=[*norms, model.norm],
+        cos=[cos for cos, _ in model.tables],
+        sin=[sin for _, sin in model.tables],
+        rope_of_layer=model.rope_of_layer,
+        q_heads=model.num_heads,
+        scale=model.scale,
+        eps=model.eps,
+    )
+
+
+# A layer's linear layers, in the order LayerStack takes them.
+_LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 def _quantize_layer(

@@ -84,12 +84,13 @@ class DecodeContext:
         self.pool, self.slots, self.scale, self.softcap = pool, slots, scale, softcap
         self.block_tables, self.seq_lens, self.max_len = block_tables, seq_lens, max_len
         self.invariant = use_invariant_attention(pool, softcap)
-        self.native = use_native_attention(pool, softcap)
         self._plan: InvariantAttention | None = None
-        if self.native:  # the kernel's view of the rows: row r's query at its last position
-            self._rows = torch.arange(seq_lens.shape[0])
-            self._query_pos = seq_lens.long() - 1
-            self._tables = block_tables.long()
+        # The native kernel's view of the rows (block tables, each query's row, its
+        # position): row r's query at its last position.
+        self.kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if use_native_attention(pool, softcap):
+            rows = torch.arange(seq_lens.shape[0])
+            self.kernel_rows = (block_tables.long(), rows, seq_lens.long() - 1)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -99,15 +100,9 @@ class DecodeContext:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of ``q`` over the pool, this step's keys and values already in it."""
-        if self.native:
+        if self.kernel_rows is not None:
             return paged_attention(
-                q,
-                self.pool.k[layer],
-                self.pool.v[layer],
-                self._tables,
-                self._rows,
-                self._query_pos,
-                self.scale,
+                q, self.pool.k[layer], self.pool.v[layer], *self.kernel_rows, self.scale
             )
         if self.invariant:
             if self._plan is None:
@@ -166,12 +161,11 @@ class PrefillContext:
         query_pos = torch.from_numpy(_query_positions(pieces, self.width))
         self.plan: TiledAttention | None = None
         self.query_pos: torch.Tensor | None = None
-        self.native = use_native_attention(pool, softcap)
-        if self.native:
-            self.token_rows = upload(
-                np.concatenate([np.full(p.end - p.start, r) for r, p in enumerate(pieces)]),
-                device,
-            )
+        # The native kernel's view of the tokens (as DecodeContext's).
+        self.kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if use_native_attention(pool, softcap):
+            token_rows = np.concatenate([np.full(p.end - p.start, r) for r, p in enumerate(pieces)])
+            self.kernel_rows = (self.table, upload(token_rows, device), self.positions)
         elif use_invariant_attention(pool, softcap):
             self.query_pos = query_pos
         else:
@@ -186,15 +180,9 @@ class PrefillContext:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of ``q`` over the pool, these chunks' keys and values already in it."""
-        if self.native:
+        if self.kernel_rows is not None:
             return paged_attention(
-                q,
-                self.pool.k[layer],
-                self.pool.v[layer],
-                self.table,
-                self.token_rows,
-                self.positions,
-                self.scale,
+                q, self.pool.k[layer], self.pool.v[layer], *self.kernel_rows, self.scale
             )
         heads, dim = q.shape[1], q.shape[2]
         padded = q.new_zeros(self.rows * self.width, heads, dim)
