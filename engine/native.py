@@ -41,10 +41,10 @@ if TYPE_CHECKING:
     from .llama import CachedAttention, FastLlama
 
 # The bindings live in the first; the quantized linear layers in the second; the
-# layer stack over them in the third.
+# layer stack over them in the third; the sampler's race in the fourth.
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("native_cpu.cpp", "native_quant.cpp", "native_layers.cpp")
+    for name in ("native_cpu.cpp", "native_quant.cpp", "native_layers.cpp", "native_sampling.cpp")
 ]
 log = structlog.get_logger("wsinfer.engine.native")
 # -march=native: the library is built on, and kept for, this CPU (the cache key).

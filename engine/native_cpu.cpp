@@ -429,6 +429,10 @@ at::Tensor pack_q4_1(const at::Tensor& raw);
 at::Tensor pack_q8_0(const at::Tensor& raw);
 // engine/native_layers.cpp
 void bind_layer_stack(pybind11::module& m);
+// engine/native_sampling.cpp
+c10::optional<at::Tensor> seeded_race(const at::Tensor& logits, const at::Tensor& temperature,
+                                      const at::Tensor& seed, const at::Tensor& index,
+                                      double noise_low);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm");
@@ -440,4 +444,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_q4_1", &pack_q4_1, "a GGUF's Q4_1 rows in the kernel's group order");
   m.def("pack_q8_0", &pack_q8_0, "a GGUF's Q8_0 rows in the kernel's group order");
   bind_layer_stack(m);
+  m.def("seeded_race", &seeded_race, "the seeded race of rows without filters or penalties",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from . import native
 from .sampling import (
     SamplingTensors,
     Variant,
@@ -50,6 +51,15 @@ def sample_tokens_cpu(
         return logits.argmax(dim=-1)
     if seen is not None and not bool((params.penalty != 1.0).any()):
         seen = None  # a penalty of 1 changes no logit (x * 1 and x / 1 are x): skip its pass
+    module = native.kernels()
+    if variant is Variant.SAMPLE and seen is None and module is not None:
+        # The same race in C++ (engine/native_sampling.cpp); None: a row without a
+        # finite maximum, which the full race below handles.
+        tokens = module.seeded_race(
+            logits.float(), params.temperature, params.seed, params.index, noise_low()
+        )
+        if tokens is not None:
+            return tokens  # type: ignore[no-any-return]
     greedy, scaled = race_inputs(logits, params, seen)
     top, leader = scaled.max(dim=-1)
     if not bool(torch.isfinite(top).all()):  # no bound to race within: the full race

@@ -3,9 +3,11 @@ tokens of the full race (``sampling.sample_tokens_torch``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.engine.sampling_cases import SIZES, all_cases, random_params
+from wsinfer.engine import native
 from wsinfer.engine.sampling import (
     SamplingTensors,
     Variant,
@@ -100,3 +102,56 @@ def test_a_penalty_of_one_everywhere_skips_its_pass_and_draws_the_same() -> None
         params.penalty[:] = 1.0
         seen = torch.rand(8, 4096, generator=gen) < 0.2
         assert_same_draws(logits, params, Variant.FILTERED if step % 2 else Variant.SAMPLE, seen)
+
+
+native_kernels = native.kernels()
+needs_native = pytest.mark.skipif(native_kernels is None, reason="the native kernels did not build")
+
+
+@needs_native
+def test_the_native_race_draws_the_full_races_tokens_in_thousands_of_rows() -> None:
+    """engine/native_sampling.cpp, which sample_tokens_cpu takes for rows without filters
+    or penalties: greedy rows, temperatures from 0.05 to 8, banned (-inf) tokens."""
+    gen = torch.Generator().manual_seed(11)
+    assert native_kernels is not None
+    for _ in range(4):
+        logits = llm_like_logits(1024, 3000, gen)
+        logits[::7, ::5] = float("-inf")
+        params = random_params(1024, gen, filtered=False)
+        params.temperature[1::3] = torch.tensor([0.05, 0.5, 1.0, 2.0, 8.0]).repeat(69)[:341]
+        want = sample_tokens_torch(logits, params, Variant.SAMPLE)
+        got = native_kernels.seeded_race(
+            logits, params.temperature, params.seed, params.index, noise_low()
+        )
+        assert torch.equal(got, want)
+        assert torch.equal(sample_tokens_cpu(logits, params, Variant.SAMPLE), want)
+
+
+@needs_native
+def test_the_native_race_hands_a_row_without_a_finite_maximum_back() -> None:
+    assert native_kernels is not None
+    params = random_params(2, torch.Generator().manual_seed(1), filtered=False)
+    for bad in (float("nan"), float("inf")):
+        logits = torch.randn(2, 100)
+        logits[1, 3] = bad
+        args = (params.temperature, params.seed, params.index, noise_low())
+        assert native_kernels.seeded_race(logits, *args) is None
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"logits": torch.zeros(2, 10, dtype=torch.float64)}, "logits must be"),
+        ({"logits": torch.zeros(2, 0)}, "empty vocabulary"),
+        ({"temperature": torch.ones(3)}, "one float32 temperature a row"),
+        ({"seed": torch.zeros(2)}, "one int64 seed and token index a row"),
+    ],
+)
+def test_the_native_race_refuses_bad_input_with_a_clear_error(change, message) -> None:
+    assert native_kernels is not None
+    ids = torch.zeros(2, dtype=torch.long)
+    args = {"logits": torch.zeros(2, 10), "temperature": torch.ones(2), "seed": ids, "index": ids}
+    args |= change
+    with pytest.raises(RuntimeError, match=message):
+        native_kernels.seeded_race(*args.values(), noise_low())
