@@ -221,41 +221,74 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 // that row's keys 0..query_pos[t], found through block_tables[rows[t]]; a
 // negative position sees nothing and gets zeros. q [N, Hq, D] -> [N, Hq, D].
 //
-// A query's score for a key is summed over the head's dims in index order; its
-// softmax and the weighted sum of values run over its keys in index order. Up
-// to QUERY_TILE consecutive tokens of one row share each transposed block of
-// keys (the transposition is a prompt's prefill's largest cost after the
-// arithmetic) and the tile's values stay in cache between its queries, but
-// every query still does its own arithmetic in its own order: the same bits
-// alone (decode) as in any tile (prefill).
+// A query's score for a key is dot()'s arithmetic: dim d's product added to lane
+// d % 16 in index order, then the lanes folded in fold_lanes' fixed tree; its
+// softmax and the weighted sum of values run over its keys in index order. A
+// query alone (a decode step) reads each key row in place, its 16 lanes one
+// register. Up to QUERY_TILE consecutive tokens of one row (a prefill) share each
+// block of keys transposed once, its lanes across keys: the same additions in the
+// same order, so a query gets the same bits alone as in any tile (the takeover
+// promise), and the tile's values stay in cache between its queries.
 namespace {
 constexpr int64_t QUERY_TILE = 16;
 constexpr int64_t KEY_BLOCK = 16;
+static_assert(KEY_BLOCK == LANES, "a transposed block's lanes are dot()'s lanes");
 typedef float KeyLanes __attribute__((vector_size(KEY_BLOCK * sizeof(float))));
+typedef int32_t LaneIndex __attribute__((vector_size(KEY_BLOCK * sizeof(int32_t))));
 
-// The scores of U query heads (heads[0..U), each at q + offset(head)) for one
-// transposed block of KEY_BLOCK keys: each query's lanes summed over the dims in
-// order, times scale, stored at scores + head * stride. U > 1 reads each row of
-// the block once for U independent sums; a query alone waits on its own chain of
-// dim dependent additions. A query's arithmetic is the same for every U.
-template <int U, typename Offset>
-inline void score_block(const float* q, const int64_t* heads, const Offset& offset,
-                        const float* keys_t, int64_t dim, float scale, float* scores,
-                        int64_t stride) {
-  const float* query[U];
-  for (int u = 0; u < U; ++u) query[u] = q + offset(heads[u]);
-  // Registers of KEY_BLOCK lanes, one a key (GCC's vector extension: kept in
-  // registers, where a plain array was spilled to memory every dim).
-  KeyLanes lanes[U] = {};
-  for (int64_t d = 0; d < dim; ++d) {
-    KeyLanes row;
-    std::memcpy(&row, keys_t + d * KEY_BLOCK, sizeof(row));
-    for (int u = 0; u < U; ++u) lanes[u] += query[u][d] * row;
+KeyLanes load_lanes(const float* x, int64_t count) {
+  KeyLanes v = {};
+  std::memcpy(&v, x, count * sizeof(float));
+  return v;
+}
+
+// fold_lanes' tree in one register: lane j += lane j + 8, then + 4, + 2, + 1.
+inline float fold_register(KeyLanes v) {
+  v += __builtin_shuffle(v, LaneIndex{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
+  v += __builtin_shuffle(v, LaneIndex{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, LaneIndex{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
+  v += __builtin_shuffle(v, LaneIndex{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
+  return v[0];
+}
+
+// The score of a query head against one key row, in place: lane j sums dims j,
+// j + 16, ... (a short last chunk adds to its first lanes only).
+inline float score_in_place(const float* q, const float* k, int64_t dim, float scale) {
+  KeyLanes acc = {};
+  int64_t i = 0;
+  for (; i + LANES <= dim; i += LANES) acc += load_lanes(q + i, LANES) * load_lanes(k + i, LANES);
+  if (i < dim) {
+    const int64_t rest = dim - i;
+    const KeyLanes summed = acc + load_lanes(q + i, rest) * load_lanes(k + i, rest);
+    const LaneIndex lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    acc = lane < static_cast<int32_t>(rest) ? summed : acc;
   }
-  for (int u = 0; u < U; ++u) {
-    lanes[u] *= scale;
-    std::memcpy(scores + heads[u] * stride, &lanes[u], sizeof(KeyLanes));
+  return fold_register(acc) * scale;
+}
+
+// The scores of a query head (at q) for one transposed block of KEY_BLOCK keys
+// (keys_t [D][KEY_BLOCK]), stored at scores[0..KEY_BLOCK): score_in_place's
+// additions with the keys across the lanes, one register per dim lane.
+inline void score_block(const float* q, const float* keys_t, int64_t dim, float scale,
+                        float* scores) {
+  KeyLanes lane[LANES] = {};
+  int64_t i = 0;
+  for (; i + LANES <= dim; i += LANES) {
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < LANES; ++j) {
+      lane[j] += q[i + j] * load_lanes(keys_t + (i + j) * KEY_BLOCK, KEY_BLOCK);
+    }
   }
+  for (int64_t j = 0; i + j < dim; ++j) {
+    lane[j] += q[i + j] * load_lanes(keys_t + (i + j) * KEY_BLOCK, KEY_BLOCK);
+  }
+#pragma GCC unroll 4
+  for (int64_t width = LANES / 2; width > 0; width /= 2) {
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < width; ++j) lane[j] += lane[j + width];
+  }
+  lane[0] *= scale;
+  std::memcpy(scores, &lane[0], sizeof(KeyLanes));
 }
 
 // out[d] = sum over keys k < seen, in order, of p[k] * values[k][d]: 64 dims at a
@@ -345,7 +378,6 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
     std::vector<float> acc(static_cast<size_t>(most * dim));
     std::vector<float> keys_t(static_cast<size_t>(dim * KEY_BLOCK));  // [D][KEY_BLOCK]
     std::vector<int64_t> seen_of(static_cast<size_t>(most));
-    std::vector<int64_t> active(static_cast<size_t>(most));
     std::vector<const float*> values(static_cast<size_t>(padded));  // a key's value row
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task / kv_heads, g = task % kv_heads;
@@ -364,9 +396,17 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
       auto head_offset = [&](int64_t qh) {
         return ((first + qh / group) * q_heads + g * group + qh % group) * dim;
       };
-      // Scores, a block of keys at a time: the block transposed once, then each
-      // query's 16 scores summed over the dims in order (lanes across keys).
-      for (int64_t base = 0; base < reach; base += KEY_BLOCK) {
+      if (count == 1) {
+        // A lone query: each key row read in place for each of its query heads.
+        for (int64_t key = 0; key < reach; ++key) {
+          const float* k = kp + slot_of(key) * slot_stride + g * dim;
+          for (int64_t qh = 0; qh < heads; ++qh) {
+            scores[qh * padded + key] = score_in_place(qp + head_offset(qh), k, dim, scalef);
+          }
+        }
+      }
+      // A tile: a block of keys at a time, transposed once for all its query heads.
+      for (int64_t base = 0; count > 1 && base < reach; base += KEY_BLOCK) {
         const int64_t width = std::min(KEY_BLOCK, reach - base);
         for (int64_t j = 0; j < KEY_BLOCK; ++j) {
           if (j < width) {
@@ -376,19 +416,11 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
             for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = 0.0f;
           }
         }
-        // The query heads that see this block, four at a time, then one at a time.
-        int64_t live = 0;
         for (int64_t qh = 0; qh < heads; ++qh) {
-          if (seen_of[qh] > base) active[live++] = qh;
-        }
-        int64_t j = 0;
-        for (; j + 4 <= live; j += 4) {
-          score_block<4>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
-                         scores.data() + base, padded);
-        }
-        for (; j < live; ++j) {
-          score_block<1>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
-                         scores.data() + base, padded);
+          if (seen_of[qh] > base) {
+            score_block(qp + head_offset(qh), keys_t.data(), dim, scalef,
+                        scores.data() + qh * padded + base);
+          }
         }
       }
       // Softmax of each query head over its own keys (normalized at the end).
