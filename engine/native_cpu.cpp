@@ -266,29 +266,52 @@ inline float score_in_place(const float* q, const float* k, int64_t dim, float s
   return fold_register(acc) * scale;
 }
 
-// The scores of a query head (at q) for one transposed block of KEY_BLOCK keys
-// (keys_t [D][KEY_BLOCK]), stored at scores[0..KEY_BLOCK): score_in_place's
-// additions with the keys across the lanes, one register per dim lane.
-inline void score_block(const float* q, const float* keys_t, int64_t dim, float scale,
-                        float* scores) {
-  KeyLanes lane[LANES] = {};
-  int64_t i = 0;
-  for (; i + LANES <= dim; i += LANES) {
-#pragma GCC unroll 16
-    for (int64_t j = 0; j < LANES; ++j) {
-      lane[j] += q[i + j] * load_lanes(keys_t + (i + j) * KEY_BLOCK, KEY_BLOCK);
+// The scores of U query heads (heads[0..U), each at q + offset(head)) for one
+// transposed block of KEY_BLOCK keys (keys_t [D][KEY_BLOCK]), stored at scores +
+// head * stride: score_in_place's additions with the keys across the lanes. The
+// fold's tree is walked depth first (node<J, W> sums lanes J, J + W, ... as the
+// tree does), so only a few partial sums a head are live at once, and each row of
+// the block is read once for all U heads.
+template <int U>
+struct BlockScores {
+  const float* query[U];
+  const float* keys_t;
+  int64_t dim;
+
+  // Lane j: the products of dims j, j + 16, ... in order.
+  void lane(int64_t j, KeyLanes* out) const {
+    for (int u = 0; u < U; ++u) out[u] = KeyLanes{};
+    for (int64_t d = j; d < dim; d += LANES) {
+      const KeyLanes row = load_lanes(keys_t + d * KEY_BLOCK, KEY_BLOCK);
+      for (int u = 0; u < U; ++u) out[u] += query[u][d] * row;
     }
   }
-  for (int64_t j = 0; i + j < dim; ++j) {
-    lane[j] += q[i + j] * load_lanes(keys_t + (i + j) * KEY_BLOCK, KEY_BLOCK);
+
+  template <int J, int W>
+  void node(KeyLanes* out) const {
+    if constexpr (W == LANES) {
+      lane(J, out);
+    } else {
+      KeyLanes right[U];
+      node<J, 2 * W>(out);
+      node<J + W, 2 * W>(right);
+      for (int u = 0; u < U; ++u) out[u] += right[u];
+    }
   }
-#pragma GCC unroll 4
-  for (int64_t width = LANES / 2; width > 0; width /= 2) {
-#pragma GCC unroll 8
-    for (int64_t j = 0; j < width; ++j) lane[j] += lane[j + width];
+};
+
+template <int U, typename Offset>
+inline void score_block(const float* q, const int64_t* heads, const Offset& offset,
+                        const float* keys_t, int64_t dim, float scale, float* scores,
+                        int64_t stride) {
+  BlockScores<U> block{{}, keys_t, dim};
+  for (int u = 0; u < U; ++u) block.query[u] = q + offset(heads[u]);
+  KeyLanes sums[U];
+  block.template node<0, 1>(sums);
+  for (int u = 0; u < U; ++u) {
+    sums[u] *= scale;
+    std::memcpy(scores + heads[u] * stride, &sums[u], sizeof(KeyLanes));
   }
-  lane[0] *= scale;
-  std::memcpy(scores, &lane[0], sizeof(KeyLanes));
 }
 
 // out[d] = sum over keys k < seen, in order, of p[k] * values[k][d]: 64 dims at a
@@ -378,6 +401,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
     std::vector<float> acc(static_cast<size_t>(most * dim));
     std::vector<float> keys_t(static_cast<size_t>(dim * KEY_BLOCK));  // [D][KEY_BLOCK]
     std::vector<int64_t> seen_of(static_cast<size_t>(most));
+    std::vector<int64_t> active(static_cast<size_t>(most));
     std::vector<const float*> values(static_cast<size_t>(padded));  // a key's value row
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task / kv_heads, g = task % kv_heads;
@@ -416,11 +440,19 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
             for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = 0.0f;
           }
         }
+        // The query heads that see this block, four at a time, then one at a time.
+        int64_t live = 0;
         for (int64_t qh = 0; qh < heads; ++qh) {
-          if (seen_of[qh] > base) {
-            score_block(qp + head_offset(qh), keys_t.data(), dim, scalef,
-                        scores.data() + qh * padded + base);
-          }
+          if (seen_of[qh] > base) active[live++] = qh;
+        }
+        int64_t j = 0;
+        for (; j + 4 <= live; j += 4) {
+          score_block<4>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
+                         scores.data() + base, padded);
+        }
+        for (; j < live; ++j) {
+          score_block<1>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
+                         scores.data() + base, padded);
         }
       }
       // Softmax of each query head over its own keys (normalized at the end).
