@@ -8,8 +8,10 @@ Two tables, on the default model (its Q4_1 GGUF):
 - **Decode**, sampled tok/s of EngineCore with the quantized layers multiplied by
   the C++ block kernels (``BlockLinear``: int8 activations, integer products, the
   file's Q8_0 output layer) against torch's int4 kernel and an int8 output layer
-  (what the engine runs without the native kernels). Both cores live in one
-  process and take turns, best of ``--rounds``, so a noisy machine slows both.
+  (what the engine runs without the native kernels); the block kernels both ways:
+  the whole layer stack in one C++ call (``native_layers.cpp``, the default) and
+  the layer program in Python, kernel by kernel. The cores live in one process
+  and take turns, best of ``--rounds``, so a noisy machine slows them all.
 - **Prefill**, milliseconds for a prompt of N distinct tokens (one token generated)
   with the native forward against the torch forward (``WSINFER_NATIVE_CPU=0``):
   each in processes of its own, since the choice is made once a process, the two
@@ -40,14 +42,23 @@ from wsinfer.engine.sampling import GenerationParams
 PROMPT = "Tell me a story about a dragon."
 
 
-def core_with(loaded: LoadedModel, blocks: bool, max_batch: int) -> EngineCore:
-    """An EngineCore whose quantized layers use the C++ blocks or torch's kernels."""
+# The decode table's engines: torch's kernels, the blocks layer by layer, in one call.
+KINDS = ("torch", "layers", "stack")
+
+
+def core_with(loaded: LoadedModel, kind: str, max_batch: int) -> EngineCore:
+    """An EngineCore whose quantized layers use torch's kernels (``torch``) or the C++
+    blocks, their layer program in Python (``layers``) or in one call (``stack``)."""
+    blocks = kind != "torch"
     chosen = core_module.cpu_quantized_model
     core_module.cpu_quantized_model = lambda _m, fast, gguf: quantized_model(fast, gguf, blocks)
     try:
-        return EngineCore(loaded, EngineConfig(max_batch_size=max_batch))
+        core = EngineCore(loaded, EngineConfig(max_batch_size=max_batch))
     finally:
         core_module.cpu_quantized_model = chosen
+    if kind == "layers":
+        core.runner.model.layer_stack = None
+    return core
 
 
 def decode_rate(core: EngineCore, loaded: LoadedModel, batch: int, tokens: int) -> float:
@@ -65,21 +76,23 @@ def decode_rate(core: EngineCore, loaded: LoadedModel, batch: int, tokens: int) 
 
 
 def decode_table(loaded: LoadedModel, batches: list[int], tokens: int, rounds: int) -> str:
-    cores = {blocks: core_with(loaded, blocks, max(batches)) for blocks in (False, True)}
-    best: dict[tuple[bool, int], float] = {}
+    cores = {kind: core_with(loaded, kind, max(batches)) for kind in KINDS}
+    best: dict[tuple[str, int], float] = {}
     for _ in range(rounds):
         for batch in batches:
-            for blocks, core in cores.items():
+            for kind, core in cores.items():
                 rate = decode_rate(core, loaded, batch, tokens)
-                best[blocks, batch] = max(best.get((blocks, batch), 0.0), rate)
+                best[kind, batch] = max(best.get((kind, batch), 0.0), rate)
     lines = [
-        "| streams | torch int4 + int8 output (tok/s) | C++ Q4_1 + Q8_0 blocks | blocks / torch |",
-        "|---|---|---|---|",
+        "| streams | torch int4 + int8 output (tok/s) | C++ Q4_1 + Q8_0 blocks, layer by layer "
+        "| the same in one call | blocks / torch | one call / layer by layer |",
+        "|---|---|---|---|---|---|",
     ]
     for batch in batches:
-        torch_rate, blocks_rate = best[False, batch], best[True, batch]
+        torch_rate, layers, stack = (best[kind, batch] for kind in KINDS)
         lines.append(
-            f"| {batch} | {torch_rate:.1f} | {blocks_rate:.1f} | {blocks_rate / torch_rate:.2f}x |"
+            f"| {batch} | {torch_rate:.1f} | {layers:.1f} | {stack:.1f} "
+            f"| {layers / torch_rate:.2f}x | {stack / layers:.2f}x |"
         )
     return "\n".join(lines)
 
