@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     if native.kernels() is None:
         print("\nThe native kernels did not build here: nothing to compare.")
         return
-    print("\nDecode (one process, the two cores taking turns, best of each):\n")
+    print("\nDecode (one process, the cores taking turns, best of each):\n")
     print(decode_table(loaded, batches, args.tokens, args.rounds))
     print("\nPrefill (a prompt of N distinct tokens, one token drawn, best of each):\n")
     print(prefill_table([int(n) for n in args.prompts.split(",")], args.threads, args.rounds))
