@@ -1,9 +1,10 @@
 // A model's whole layer stack as one call, where every linear layer multiplies a
 // GGUF's own blocks: engine/fused.py's layer_program, the same kernels of
 // native_cpu.cpp and native_quant.cpp called in the same order, so the same bits,
-// without a return to Python between them. At a decode step's one row the
-// interpreter between a layer's nine calls cost about as much as the layer's
-// arithmetic outside its matmuls (benchmarks/bench_cpu_kernels.py measures it).
+// without a return to Python between them: no interpreter, argument conversions
+// or pool views between a layer's nine calls, and no GIL held. Decode 1.04x to
+// 1.09x the tokens/s of the same program in Python at 1 to 32 rows
+// (benchmarks/bench_cpu_kernels.py).
 //
 // Built once per model (engine/quant.py), it holds the packed weights, the norms
 // and the rotary tables; each forward takes the step's tokens and where their
