@@ -428,31 +428,32 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
             scores[qh * padded + key] = score_in_place(qp + head_offset(qh), k, dim, scalef);
           }
         }
-      }
-      // A tile: a block of keys at a time, transposed once for all its query heads.
-      for (int64_t base = 0; count > 1 && base < reach; base += KEY_BLOCK) {
-        const int64_t width = std::min(KEY_BLOCK, reach - base);
-        for (int64_t j = 0; j < KEY_BLOCK; ++j) {
-          if (j < width) {
-            const float* k = kp + slot_of(base + j) * slot_stride + g * dim;
-            for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = k[d];
-          } else {
-            for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = 0.0f;
+      } else {
+        // A tile: a block of keys at a time, transposed once for all its query heads.
+        for (int64_t base = 0; base < reach; base += KEY_BLOCK) {
+          const int64_t width = std::min(KEY_BLOCK, reach - base);
+          for (int64_t j = 0; j < KEY_BLOCK; ++j) {
+            if (j < width) {
+              const float* k = kp + slot_of(base + j) * slot_stride + g * dim;
+              for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = k[d];
+            } else {
+              for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = 0.0f;
+            }
           }
-        }
-        // The query heads that see this block, four at a time, then one at a time.
-        int64_t live = 0;
-        for (int64_t qh = 0; qh < heads; ++qh) {
-          if (seen_of[qh] > base) active[live++] = qh;
-        }
-        int64_t j = 0;
-        for (; j + 4 <= live; j += 4) {
-          score_block<4>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
-                         scores.data() + base, padded);
-        }
-        for (; j < live; ++j) {
-          score_block<1>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
-                         scores.data() + base, padded);
+          // The query heads that see this block, four at a time, then one at a time.
+          int64_t live = 0;
+          for (int64_t qh = 0; qh < heads; ++qh) {
+            if (seen_of[qh] > base) active[live++] = qh;
+          }
+          int64_t j = 0;
+          for (; j + 4 <= live; j += 4) {
+            score_block<4>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
+                           scores.data() + base, padded);
+          }
+          for (; j < live; ++j) {
+            score_block<1>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
+                           scores.data() + base, padded);
+          }
         }
       }
       // Softmax of each query head over its own keys (normalized at the end).
