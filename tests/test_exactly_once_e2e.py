@@ -18,23 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-import json
 import os
 import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
-from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import WebSocketException
 
 from tests.cutter import Cutter
+from tests.followers import FOLLOW, Follower
 from tests.stack import Client, Stack, joined
-from wsinfer.clients import ReconnectPolicy, connect
-from wsinfer.clients.errors import ConnectionLost
 from wsinfer.engine.fake import WORDS
 
 SEED = int(os.environ.get("WSINFER_E2E_SEED", "18"))
@@ -44,98 +39,12 @@ TOKENS = 250  # so a turn streams for 25 s, the kills land mid-turn
 ENGINE_FLAGS = ("--max-batch-size", "64", "--threads", "1")
 KINDS = ("ws", "sse", "python")
 MEAN_CUT_S = 2.5  # mean time between two cuts of one follower's connection
-RECONNECT = ReconnectPolicy(max_attempts=100, max_time=120, base_delay=0.05, max_delay=0.5)
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def expected(after: int) -> str:
     return "".join(WORDS[i % len(WORDS)] for i in range(min(after, TOKENS), TOKENS))
-
-
-@dataclass
-class Follower:
-    kind: str
-    session: str
-    token: str
-    after: int
-    cutter: Cutter
-    text: str = ""
-    reconnects: int = 0
-
-
-# --- the three kinds of follower -------------------------------------------------------
-
-
-async def follow_ws(f: Follower) -> None:
-    """A raw ``resume``; after a drop, another one from the last seq received."""
-    last = f.after
-    while True:
-        try:
-            async with ws_connect(f.cutter.ws_url, subprotocols=["wsinfer.v1.json"]) as ws:  # type: ignore[list-item]
-                resume = {"type": "resume", "session": f.session, "token": f.token}
-                await ws.send(json.dumps({**resume, "turn": 1, "after": last, "id": 1}))
-                async for frame in ws:
-                    msg = json.loads(frame)
-                    assert msg["type"] != "error", msg
-                    if msg["type"] == "delta":
-                        f.text += msg["text"]  # a repeat or a gap shows in the comparison
-                        last = max(last, msg["seq"])
-                    elif msg["type"] == "done":
-                        return
-        except (OSError, WebSocketException):
-            pass
-        f.reconnects += 1
-        await asyncio.sleep(0.05)
-
-
-async def follow_sse(f: Follower) -> None:
-    """``GET /v1/sessions/{id}/stream``; after a drop, again with ``Last-Event-ID``."""
-    last = f.after
-    async with httpx.AsyncClient(base_url=f.cutter.http_url, timeout=30) as http:
-        while True:
-            headers = {"X-Wsinfer-Token": f.token, "Last-Event-ID": str(last)}
-            try:
-                url = f"/v1/sessions/{f.session}/stream"
-                async with http.stream("GET", url, headers=headers) as response:
-                    assert response.status_code == 200, await response.aread()
-                    event_id: int | None = None
-                    async for line in response.aiter_lines():
-                        if line.startswith("id: "):
-                            event_id = int(line[4:])
-                        elif line == "data: [DONE]":
-                            return
-                        elif line.startswith("data: "):
-                            chunk = json.loads(line[6:])
-                            assert "error" not in chunk, chunk
-                            f.text += chunk["choices"][0]["delta"].get("content") or ""
-                        elif not line and event_id is not None:  # the event is complete
-                            last, event_id = max(last, event_id), None
-            except (httpx.TransportError, httpx.StreamError):
-                pass
-            f.reconnects += 1
-            await asyncio.sleep(0.05)
-
-
-async def follow_python(f: Follower) -> None:
-    """The Python client: once it has connected, it reconnects and resumes by itself."""
-    client = connect(f.cutter.ws_url, reconnect=RECONNECT)
-    while True:
-        try:
-            await client.open()  # fails fast by design: a cut handshake is retried here
-            break
-        except ConnectionLost:
-            f.reconnects += 1
-            await asyncio.sleep(0.05)
-    try:
-        turn = await client.attach(f.session, f.token, turn=1, after=f.after)
-        f.text = await turn.wait()
-        f.reconnects += client.reconnects
-    finally:
-        await client.close()
-
-
-FOLLOW = {"ws": follow_ws, "sse": follow_sse, "python": follow_python}
 
 
 # --- the run -----------------------------------------------------------------------------
