@@ -31,6 +31,7 @@ from wsinfer.engine.metrics import EngineMetrics
 from wsinfer.engine.model import LoadedModel, ModelLoadError, load_model
 from wsinfer.engine.outage import OutageGuard
 from wsinfer.engine.prompts import render_chat, render_text
+from wsinfer.engine.standby import StandbyGate
 from wsinfer.preflight import StartupError, require_redis, serve_metrics
 from wsinfer.sessions.connect import sync_client
 from wsinfer.sessions.schema import (
@@ -546,11 +547,14 @@ def run_engine(
     core_config: EngineConfig | None = None,
     revision: str | None = None,
     chat_template: str | None = None,
+    standby: StandbyGate | None = None,
 ) -> None:
     """Check Redis and the metrics port, load the model, then serve turns until stopped.
 
-    Start-up problems raise ``StartupError`` before the (slow) model load."""
+    Start-up problems raise ``StartupError`` before the (slow) model load. A
+    ``standby`` engine waits, loaded, until it is activated (or told to stop)."""
     config = config or ProcessConfig()
+    parent = os.getppid()
     require_redis(redis_url)  # before anything slow: one clear line if it is not there
     metrics = EngineMetrics(engine_id=config.engine_id)
     if config.metrics_port is not None:
@@ -587,5 +591,7 @@ def run_engine(
             seconds=round(time.monotonic() - started, 1),
             graph_capture_seconds=round(getattr(core, "graph_capture_seconds", 0.0), 1),
         )
+    if standby is not None and not standby.wait(lambda: os.getppid() != parent):
+        return
     store = WorkerStore(sync_client(redis_url), config.engine_id, ttl_s=config.session_ttl_s)
     EngineProcess(core, loaded, store, config, metrics).run()
