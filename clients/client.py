@@ -57,9 +57,12 @@ log = logging.getLogger("wsinfer.clients")
 
 @dataclass(frozen=True)
 class ReconnectPolicy:
-    """How hard to try to get a dropped connection back before failing live turns."""
+    """How hard to try to get a dropped connection back before failing live turns.
 
-    max_attempts: int = 10
+    ``max_time`` is the bound that matters (attempts are many, and backed off):
+    long enough for a restart of ``wsinfer serve`` (a warm start is seconds)."""
+
+    max_attempts: int = 40
     max_time: float = 60.0
     base_delay: float = 0.1
     max_delay: float = 5.0

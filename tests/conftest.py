@@ -9,7 +9,9 @@ each test: the next test sees a warm engine and an empty Redis.
 
 from __future__ import annotations
 
+import os
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,10 @@ import redis.asyncio as aioredis
 from tests.models import tiny_model_dir
 from tests.stack import Stack, forget_sessions
 from wsinfer.supervisor import EmbeddedRedis
+
+# A `wsinfer serve` that a test starts without a data dir of its own keeps its
+# sessions here, never in the user's ~/.local/state/wsinfer.
+os.environ.setdefault("WSINFER_DATA_DIR", tempfile.mkdtemp(prefix="wsinfer-test-data-"))
 
 # The engine id of the module's shared engine.
 MODULE_ENGINE = "engine-1"

@@ -150,14 +150,20 @@ async def start_frontend(redis_url: str, **overrides: Any) -> Frontend:
     return frontend
 
 
-def start_serve(state: Path, *args: str) -> tuple[subprocess.Popen[str], int]:
-    """``wsinfer serve`` keeping its state dir (private Redis) under ``state``: a serve
-    killed with -9 cannot remove it, and tests leave nothing behind in /tmp."""
+def start_serve(
+    state: Path, *args: str, port: int = 0, **popen: Any
+) -> tuple[subprocess.Popen[str], int]:
+    """``wsinfer serve`` keeping its runtime dir (the private Redis's socket) and its
+    data dir (``state/data``, the sessions) under ``state``: a serve killed with -9
+    cannot remove them, and tests leave nothing behind in /tmp or the home."""
+    command = [sys.executable, "-m", "wsinfer", "serve", "--port", str(port)]
+    env = {"PYTHONUNBUFFERED": "1", "TMPDIR": str(state), "WSINFER_DATA_DIR": str(state / "data")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "wsinfer", "serve", "--port", "0", "--log-level", "warning", *args],
+        [*command, "--log-level", "warning", *args],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(state)},
+        env={**os.environ, **env, **popen.pop("env", {})},
+        **popen,
     )
     assert process.stdout is not None
     try:

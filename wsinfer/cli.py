@@ -339,6 +339,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("REDIS_URL"),
         help="use this Redis instead of starting a private one",
     )
+    serve.add_argument(
+        "--data-dir",
+        default=None,
+        help="where the private Redis keeps the sessions across restarts (default: "
+        "$WSINFER_DATA_DIR, else $XDG_STATE_HOME/wsinfer, else ~/.local/state/wsinfer)",
+    )
+    serve.add_argument(
+        "--standby-engine",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep a second engine loaded that continues the turns at once if the engine "
+        "dies (default: on with --device cpu; a GPU holds one engine's memory)",
+    )
     _add_common(serve)
 
     frontend = sub.add_parser(
@@ -384,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds to finish running turns before handing them over",
     )
     engine.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    # serve's standby engine: loads, then waits for SIGUSR1 (engine/standby.py).
+    engine.add_argument("--standby", action="store_true", help=argparse.SUPPRESS)
     _add_common(engine)
 
     from wsinfer.clients import chat
@@ -462,10 +477,19 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from wsinfer.supervisor import serve_all
+    from pathlib import Path
+
+    from wsinfer.supervisor import ServeOptions, serve_all
 
     config = _frontend_config(args, args.redis_url or "")
-    return asyncio.run(serve_all(config, _engine_argv(args), redis_url=args.redis_url))
+    standby = args.standby_engine
+    options = ServeOptions(
+        engine_argv=_engine_argv(args),
+        redis_url=args.redis_url,
+        data_dir=Path(args.data_dir).expanduser() if args.data_dir else None,
+        standby=args.device == "cpu" if standby is None else standby,
+    )
+    return asyncio.run(serve_all(config, options))
 
 
 def run_frontend(args: argparse.Namespace) -> int:
@@ -532,6 +556,11 @@ def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run_engine_command(args: argparse.Namespace) -> int:
+    standby = None
+    if args.standby:  # first of all: an activation may come while torch imports
+        from wsinfer.engine.standby import StandbyGate
+
+        standby = StandbyGate()
     from wsinfer.engine.process import run_engine
     from wsinfer.logs import route_library_logs
 
@@ -550,6 +579,7 @@ def run_engine_command(args: argparse.Namespace) -> int:
         core_config=core_config,
         revision=args.revision,
         chat_template=_chat_template_text(args.chat_template),
+        standby=standby,
     )
     return 0
 
@@ -567,11 +597,21 @@ def _chat_template_text(path: str | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the command caught signals itself
+        print("wsinfer: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "chat":
         from wsinfer.clients import chat
 
         return chat.run(args)
+    import structlog
+
     from wsinfer.logs import configure_logging
     from wsinfer.preflight import StartupError
 
@@ -580,8 +620,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return runners[args.command](args)
     except StartupError as exc:  # one line an operator can act on, no traceback
-        import structlog
-
         structlog.get_logger("wsinfer").error(str(exc))
         return 1
 

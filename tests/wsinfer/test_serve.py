@@ -44,6 +44,14 @@ def wait_gone(pids: list[int], timeout: float = 20) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+def wait_children(pid: int, count: int, timeout: float = 120) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(children := children_of(pid)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(children) == count, children
+    return children
+
+
 @pytest.fixture
 def tiny_serve(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
     process, port = start_serve(tmp_path, "--model", str(tiny_model_dir()))
@@ -75,8 +83,7 @@ async def test_ctrl_c_stops_redis_and_the_engine(
     tiny_serve: tuple[subprocess.Popen[str], int], tmp_path: Path
 ) -> None:
     process, port = tiny_serve
-    children = children_of(process.pid)
-    assert len(children) == 2  # redis-server and the engine
+    children = wait_children(process.pid, 3)  # redis-server, the engine and its standby
     assert len(list(tmp_path.glob("wsinfer-*/redis.sock"))) == 1
     client = await Client.open(port)
     await client.send(type="generate", prompt="Hello", params={"max_new_tokens": 5})
