@@ -13,9 +13,10 @@
 //
 // Float32 tensors only; inputs of any layout, caches and weights contiguous.
 
-#include <torch/extension.h>
-
+// ATen's tensor and parallel_for, not <torch/extension.h>: that header (torch's
+// C++ API, pybind11, Python) took ~60 s of each file's compile; this pair ~6 s.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -115,8 +116,8 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x_in,
     TORCH_CHECK(residual->sizes() == x.sizes(), "residual and x differ in shape");
   }
   const int64_t rows = x.size(0), hidden = x.size(1);
-  at::Tensor sum_out = at::empty_like(x);
-  at::Tensor normed = at::empty_like(x);
+  at::Tensor sum_out = x.new_empty(x.sizes());
+  at::Tensor normed = x.new_empty(x.sizes());
   const float* xp = x.data_ptr<float>();
   const float* rp = adding ? residual->data_ptr<float>() : nullptr;
   const float* wp = weight.data_ptr<float>();
@@ -164,7 +165,7 @@ at::Tensor rope_cache(const at::Tensor& qkv_in, const at::Tensor& positions, con
               "rotary tables do not fit the head size");
   TORCH_CHECK(positions.numel() == rows && slots.numel() == rows, "one position and slot a row");
   TORCH_CHECK(dim % 2 == 0, "odd head size");
-  at::Tensor q = at::empty({rows, q_heads, dim}, qkv.options());
+  at::Tensor q = qkv.new_empty({rows, q_heads, dim});
   const float* in = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -203,7 +204,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   const at::Tensor gate_up = float_input(gate_up_in, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [N, 2 I]");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({rows, inner}, gate_up.options());
+  at::Tensor out = gate_up.new_empty({rows, inner});
   const float* in = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
@@ -387,7 +388,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   }
   const int64_t tiles = static_cast<int64_t>(tile_start.size());
   tile_start.push_back(tokens);
-  at::Tensor out = at::zeros_like(q);
+  at::Tensor out = q.new_zeros(q.sizes());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
@@ -485,30 +486,4 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
     }
   });
   return out;
-}
-
-// engine/native_quant.cpp
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed);
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed);
-at::Tensor pack_q4_1(const at::Tensor& raw);
-at::Tensor pack_q8_0(const at::Tensor& raw);
-// engine/native_layers.cpp
-void bind_layer_stack(pybind11::module& m);
-// engine/native_sampling.cpp
-c10::optional<at::Tensor> seeded_race(const at::Tensor& logits, const at::Tensor& temperature,
-                                      const at::Tensor& seed, const at::Tensor& index,
-                                      double noise_low);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm");
-  m.def("rope_cache", &rope_cache, "rotary, and the KV-cache write");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
-  m.def("paged_attention", &paged_attention, "causal attention over the paged cache");
-  m.def("q4_1_linear", &q4_1_linear, "x times a packed Q4_1 weight, transposed");
-  m.def("q8_0_linear", &q8_0_linear, "x times a packed Q8_0 weight, transposed");
-  m.def("pack_q4_1", &pack_q4_1, "a GGUF's Q4_1 rows in the kernel's group order");
-  m.def("pack_q8_0", &pack_q8_0, "a GGUF's Q8_0 rows in the kernel's group order");
-  bind_layer_stack(m);
-  m.def("seeded_race", &seeded_race, "the seeded race of rows without filters or penalties",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -10,7 +10,9 @@
 // and the rotary tables; each forward takes the step's tokens and where their
 // keys and values go.
 
-#include <torch/extension.h>
+// pybind11 and its casters of tensors (not all of <torch/extension.h>: ~25 s a
+// compile instead of ~65): the one source that binds, so the one that pays for it.
+#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 #include <vector>
@@ -28,6 +30,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // engine/native_quant.cpp
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor pack_q4_1(const at::Tensor& raw);
+at::Tensor pack_q8_0(const at::Tensor& raw);
+// engine/native_sampling.cpp
+c10::optional<at::Tensor> seeded_race(const at::Tensor& logits, const at::Tensor& temperature,
+                                      const at::Tensor& seed, const at::Tensor& index,
+                                      double noise_low);
 
 namespace {
 
@@ -133,9 +141,17 @@ at::Tensor LayerStack::forward(const at::Tensor& x, const at::Tensor& positions,
 
 }  // namespace
 
-// Called by native_cpu.cpp's module definition (one module for all the sources).
-// The forward runs without the GIL: it touches no Python object.
-void bind_layer_stack(pybind11::module& m) {
+// The one module of all four sources (its name is the build's, engine/native_build.py).
+// The layer stack's forward and the race run without the GIL: they touch no Python object.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm");
+  m.def("rope_cache", &rope_cache, "rotary, and the KV-cache write");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
+  m.def("paged_attention", &paged_attention, "causal attention over the paged cache");
+  m.def("q4_1_linear", &q4_1_linear, "x times a packed Q4_1 weight, transposed");
+  m.def("q8_0_linear", &q8_0_linear, "x times a packed Q8_0 weight, transposed");
+  m.def("pack_q4_1", &pack_q4_1, "a GGUF's Q4_1 rows in the kernel's group order");
+  m.def("pack_q8_0", &pack_q8_0, "a GGUF's Q8_0 rows in the kernel's group order");
   pybind11::class_<LayerStack>(m, "LayerStack")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<std::string>&,
                           const std::vector<at::Tensor>&, std::vector<at::Tensor>,
@@ -146,4 +162,6 @@ void bind_layer_stack(pybind11::module& m) {
            pybind11::arg("q_heads"), pybind11::arg("scale"), pybind11::arg("eps"))
       .def("forward", &LayerStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "the layers' final hidden states, keys and values stored in the pools");
+  m.def("seeded_race", &seeded_race, "the seeded race of rows without filters or penalties",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -21,9 +21,10 @@
 // pack time (pack_q8_0). A packed row is the file's row, re-ordered: per group,
 // the weights, then the blocks' fp16 scales (Q4_1: the G d's, then the G m's).
 
-#include <torch/extension.h>
-
+// ATen's tensor and parallel_for, not <torch/extension.h>: that header (torch's
+// C++ API, pybind11, Python) took ~60 s of each file's compile; this pair ~6 s.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -276,7 +277,7 @@ at::Tensor quantized_linear(const at::Tensor& x_in, const at::Tensor& packed) {
   check_input(x_in, packed, Weights::BYTES);
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), outs = packed.size(0), blocks = x.size(1) / BLOCK;
-  at::Tensor out = at::empty({rows, outs}, x.options());
+  at::Tensor out = x.new_empty({rows, outs});
   if (rows == 0 || outs == 0) return out;
   const QuantInput q = quantize_input(x);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -378,7 +379,7 @@ at::Tensor check_raw(const at::Tensor& raw, int64_t block_bytes, const char* kin
 template <typename Weights>
 at::Tensor pack(const at::Tensor& raw_in, const char* kind) {
   const at::Tensor raw = check_raw(raw_in, Weights::BYTES, kind);
-  at::Tensor out = at::empty_like(raw);
+  at::Tensor out = raw.new_empty(raw.sizes());
   const int64_t rows = raw.size(0), blocks = raw.size(1) / Weights::BYTES;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* src = raw.data_ptr<uint8_t>() + r * raw.size(1);

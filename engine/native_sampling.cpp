@@ -12,9 +12,10 @@
 // torch race's token; only a tie to the last bit between two candidates' scores
 // could come out otherwise where torch's vectorized log rounds differently.
 
-#include <torch/extension.h>
-
+// ATen's tensor and parallel_for, not <torch/extension.h>: that header (torch's
+// C++ API, pybind11, Python) took ~60 s of each file's compile; this pair ~6 s.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <cstdint>
@@ -126,7 +127,7 @@ c10::optional<at::Tensor> seeded_race(const at::Tensor& logits_in, const at::Ten
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor temperature = temperature_in.contiguous();
   const at::Tensor seed = seed_in.contiguous(), index = index_in.contiguous();
-  at::Tensor tokens = at::empty({rows}, seed.options());
+  at::Tensor tokens = seed.new_empty({rows});
   const float* lp = logits.data_ptr<float>();
   const float* tp = temperature.data_ptr<float>();
   const int64_t* sp = seed.data_ptr<int64_t>();
