@@ -1,4 +1,4 @@
-"""The CPU forward's small kernels in C++ (``native_cpu.cpp``), built on first use.
+"""The CPU forward's small kernels in C++ (``native_cpu.cpp``), built at install time.
 
 A one-row decode step of the torch forward on the default model is about 75 ops a
 layer; apart from the four weight matmuls each costs its dispatch and a few
@@ -18,19 +18,17 @@ forward's bits: an engine runs one or the other for its whole life, and engines
 that share turns must run the same (same binary on the same kind of CPU), as
 they must run the same weights.
 
-Built with the machine's C++ compiler by ``torch.utils.cpp_extension`` (~30 s, once:
-the library is kept under the wsinfer cache, keyed by the source, torch's version
-and the CPU). Without a compiler, or with ``WSINFER_NATIVE_CPU=0``, the engine
-keeps the torch forward.
+Built by ``wsinfer prepare`` at install time, one library per CPU variant (AVX-512
+VNNI, AVX-512, AVX2, portable), and the best one this CPU runs loaded at start
+(``engine/native_build.py``); a start builds only where no built variant fits this
+CPU, and announces it first. Without a compiler and a built variant, or with
+``WSINFER_NATIVE_CPU=0``, the engine keeps the torch forward.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
-import platform
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -40,20 +38,7 @@ import torch
 if TYPE_CHECKING:
     from .llama import CachedAttention, FastLlama
 
-# The bindings live in the first; the quantized linear layers in the second; the
-# layer stack over them in the third; the sampler's race in the fourth.
-SOURCES = [
-    Path(__file__).with_name(name)
-    for name in ("native_cpu.cpp", "native_quant.cpp", "native_layers.cpp", "native_sampling.cpp")
-]
 log = structlog.get_logger("wsinfer.engine.native")
-# -march=native: the library is built on, and kept for, this CPU (the cache key).
-# -fopenmp: at::parallel_for is inline; without it the kernels run on one thread
-# (the OpenMP runtime is torch's own, already loaded). -fno-trapping-math: GCC
-# vectorizes no loop with a conditional float expression otherwise (the SiLU's
-# exp ran one element at a time); it changes no result, only lets the compiler
-# compute both sides of a select.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 
 
 def enabled() -> bool:
@@ -68,53 +53,16 @@ def kernels() -> ModuleType | None:
         return None
     try:
         return _build()
-    except Exception as exc:  # a missing compiler or ninja, a failed build: keep torch's
+    except Exception as exc:  # a missing compiler, a failed build: keep torch's
         log.warning("native CPU kernels unavailable, using the torch forward", error=str(exc))
         return None
 
 
 def _build() -> ModuleType:
-    from torch.utils import cpp_extension
+    from .model import INSTALL_HINT, default_cache_dir
+    from .native_build import load_best
 
-    from .model import default_cache_dir
-
-    _put_ninja_on_path()
-    source = b"".join(path.read_bytes() for path in SOURCES)
-    built_with = [torch.__version__, _cpu_identity(), *CFLAGS]
-    key = hashlib.sha256(source + "\n".join(built_with).encode()).hexdigest()[:16]
-    directory = default_cache_dir() / "native" / key
-    directory.mkdir(parents=True, exist_ok=True)
-    module = cpp_extension.load(
-        name=f"wsinfer_native_cpu_{key}",
-        sources=[str(path) for path in SOURCES],
-        extra_cflags=CFLAGS,
-        build_directory=str(directory),
-        verbose=False,
-    )
-    log.info("native CPU kernels loaded", directory=str(directory))
-    return module
-
-
-def _cpu_identity() -> str:
-    """The CPU's model and flags: a library built with -march=native fits only it."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
-
-
-def _put_ninja_on_path() -> None:
-    """torch's builder runs ``ninja`` from PATH: use the ``ninja`` package's binary,
-    which a venv's scripts directory holds but a service's PATH may not."""
-    try:
-        import ninja  # type: ignore[import-untyped]
-    except ImportError:
-        return
-    bin_dir = str(ninja.BIN_DIR)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return load_best(default_cache_dir(), hint=INSTALL_HINT)
 
 
 def on_native_path(x: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from tests.stack import port_from_banner
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-ENGINE_ONLY = {"torch", "transformers", "accelerate", "gguf", "huggingface-hub", "ninja"}
+ENGINE_ONLY = {"torch", "transformers", "accelerate", "gguf", "huggingface-hub"}
 
 
 def _name(requirement: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.engine.test_quant import q4_1_rows
-from wsinfer.engine import native
+from wsinfer.engine import native, native_build
 from wsinfer.engine.quant import BlockLinear, dequantize_q4_1
 
 module = native.kernels()
@@ -162,31 +162,27 @@ def test_a_non_contiguous_input_is_multiplied_as_its_values() -> None:
     assert torch.equal(linear(wide[:, ::2]), linear(wide[:, ::2].contiguous()))
 
 
-@pytest.mark.slow  # two more builds of the extension, ~40 s each
+@pytest.mark.slow  # the other variants' builds, ~30-60 s each
+@pytest.mark.timeout(1200)
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction sets")
-def test_the_avx2_and_portable_builds_compute_what_this_cpus_build_does(
+def test_every_variant_builds_and_those_this_cpu_runs_compute_what_its_own_does(
     tmp_path: Path,
 ) -> None:
-    """The branches this CPU does not take, built for other x86 CPUs and run here: the
-    AVX2 build (``maddubs``) gives the very bits of this machine's build (AVX-512 VNNI
-    here: the same integer sums, the same float steps); the portable one (no FMA: a
-    multiply and an add rounded apart) the same values to float32 rounding."""
-    from torch.utils import cpp_extension
-
-    native._put_ninja_on_path()
-    builds = {}
-    # A Haswell build runs only where the CPU has what -march=haswell may use.
-    marches = ["x86-64"] + (["haswell"] if _has(*HASWELL) else [])
-    for march in marches:
-        (tmp_path / march).mkdir()
-        builds[march] = cpp_extension.load(
-            name=f"wsinfer_native_test_{march.replace('-', '_')}",
-            sources=[str(path) for path in native.SOURCES],
-            extra_cflags=["-O3", f"-march={march}", *native.CFLAGS[2:]],
-            build_directory=str(tmp_path / march),
-            verbose=False,
-        )
+    """Every x86 variant's branches (native_quant.cpp's #if), built here: those this CPU
+    runs give the very bits of the engine's build where both have FMA (AVX-512 VNNI's
+    dot products and AVX2's maddubs make the same integer sums, then the same float
+    steps), the portable one (no FMA: a multiply and an add rounded apart) the same
+    values to float32 rounding. The others (AVX-512 on an AVX2 machine) only build."""
     assert module is not None
+    ours = next(v for v in native_build.X86_VARIANTS if module.__name__.startswith(
+        f"wsinfer_native_{v.name}_"))  # fmt: skip
+    runs = native_build.runnable(native_build.X86_VARIANTS, native_build.cpu_flags())
+    builds = {}
+    for variant in native_build.X86_VARIANTS:
+        if variant != ours:
+            path = native_build.build(tmp_path, variant)
+            if variant in runs:
+                builds[variant] = native_build.load(path)
     for cols in (32, 96, 160, 576):
         q4_1 = torch.from_numpy(random_q4_1(50, cols, cols))
         q8_0 = torch.from_numpy(random_q8_0(50, cols, cols)[0])
@@ -195,23 +191,13 @@ def test_the_avx2_and_portable_builds_compute_what_this_cpus_build_does(
             module.q4_1_linear(x, module.pack_q4_1(q4_1)),
             module.q8_0_linear(x, module.pack_q8_0(q8_0)),
         )
-        for march, build in builds.items():
+        for variant, build in builds.items():
             got = (
                 build.q4_1_linear(x, build.pack_q4_1(q4_1)),
                 build.q8_0_linear(x, build.pack_q8_0(q8_0)),
             )
-            for ours, theirs in zip(got, want, strict=True):
-                if march == "haswell":
-                    assert torch.equal(ours, theirs), (march, cols)
+            for theirs, mine in zip(got, want, strict=True):
+                if "fma" in variant.requires and "fma" in ours.requires:
+                    assert torch.equal(theirs, mine), (variant.name, cols)
                 else:
-                    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-
-
-HASWELL = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
-
-
-def _has(*flags: str) -> bool:
-    """Whether this CPU has every one of ``flags`` (as /proc/cpuinfo names them), from
-    the CPU identity the kernel cache is keyed by."""
-    listed = native._cpu_identity().split()
-    return all(flag in listed for flag in flags)
+                    torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
