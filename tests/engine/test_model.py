@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from tests.models import tiny_model_dir
+from wsinfer.engine import model
 from wsinfer.engine.cpu_linear import PackedLinear, pack_linear_weights
 from wsinfer.engine.model import LoadedModel, ModelLoadError, default_cache_dir, load_model
 from wsinfer.engine.prompts import render_chat, render_text
@@ -30,6 +33,49 @@ def test_default_model_is_cached_with_its_chat_template(smol: LoadedModel) -> No
     assert converted and (converted[0] / "config.json").is_file()
     assert smol.tokenizer.chat_template and "<|im_start|>" in smol.tokenizer.chat_template
     assert smol.eos_token_ids == {smol.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_a_ggufs_conversion_is_keyed_by_its_content_not_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two venvs' copies of one file (other paths, other mtimes) share one conversion,
+    announced before it begins; other bytes are another model."""
+    converted: list[Path] = []
+
+    def convert(gguf: Path, out: Path) -> None:
+        converted.append(gguf)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model, "_convert_gguf", convert)
+    one, two = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf"
+    for path in (one, two):
+        path.parent.mkdir()
+        path.write_bytes(b"GGUF" + bytes(range(256)) * 1000)
+    cache = tmp_path / "cache"
+    with structlog.testing.capture_logs() as logs:
+        first = model.converted_gguf_dir(one, cache, hint="; `wsinfer prepare` does it at install")
+    assert logs[0]["event"] == (
+        "converting m.gguf to transformers weights, about 5 s, once; "
+        "`wsinfer prepare` does it at install"
+    )
+    with structlog.testing.capture_logs() as logs:
+        assert model.converted_gguf_dir(two, cache) == first and converted == [one]
+    assert logs == []  # nothing to do, nothing said
+    two.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 1000)
+    assert model.converted_gguf_dir(two, cache) != first and converted == [one, two]
+
+
+def test_a_files_digest_is_remembered_and_a_read_only_cache_only_costs_a_hash(
+    tmp_path: Path,
+) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x" * 3_000_000)
+    want = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert model.gguf_digest(gguf, tmp_path / "cache") == want
+    assert len(list((tmp_path / "cache" / "models" / "digests").iterdir())) == 1
+    unwritable = tmp_path / "a-file"  # no directory can be made under it (root or not)
+    unwritable.write_text("")
+    assert model.gguf_digest(gguf, unwritable) == want
 
 
 def test_render_chat_ends_with_the_assistant_header(tokenizer: object) -> None:
