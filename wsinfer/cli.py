@@ -1,4 +1,4 @@
-"""The ``wsinfer`` command: serve, frontend, engine, chat.
+"""The ``wsinfer`` command: serve, frontend, engine, chat, prepare.
 
 Every flag also reads an environment variable (``WSINFER_<FLAG>``), so the
 same settings work from a shell, a unit file or a container. Defaults are
@@ -411,6 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
             **parsers,
         )
     )
+    from wsinfer import prepare
+
+    prepare_parser = sub.add_parser(
+        "prepare", help=prepare.HELP, description=prepare.DESCRIPTION, **parsers
+    )
+    prepare.add_arguments(prepare_parser)
+    _add_common(prepare_parser)
     return parser
 
 
@@ -616,6 +623,10 @@ def _run(argv: list[str] | None) -> int:
     from wsinfer.preflight import StartupError
 
     configure_logging(args.log_format, args.log_level)
+    if args.command == "prepare":
+        from wsinfer import prepare
+
+        return prepare.run(args)
     runners = {"serve": run_serve, "frontend": run_frontend, "engine": run_engine_command}
     try:
         return runners[args.command](args)
