@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -59,54 +61,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Each step, even after another failed; the exit status says whether all did."""
-    from wsinfer.engine.model import ModelLoadError, default_cache_dir
-    from wsinfer.engine.native_build import BuildError
+    """Both steps at once: the kernels' compilers keep the cores busy while the model
+    converts (mostly one core of Python), ~20 s less than one after the other on two
+    cores. Each step runs even if the other fails; the exit status says whether both
+    did."""
+    from wsinfer.engine.model import default_cache_dir
 
     cache = default_cache_dir()
-    status = 0
+    kernels = None
     if args.kernels != "none":  # None: no switch given, every variant this CPU runs
-        try:
-            build_kernels(cache, args.kernels or "cpu")
-        except BuildError as exc:  # one line to act on, no traceback
-            log.error(f"the native CPU kernels did not build: {exc}")
-            status = 1
-    if not args.no_model:
-        try:
-            convert_model(cache, args.model)
-        except ModelLoadError as exc:
-            log.error(str(exc))
-            status = 1
-    return status
+        kernels = Background(lambda: build_kernels(cache, args.kernels or "cpu"))
+    status = 0 if args.no_model else convert_model(cache, args.model)
+    return max(status, kernels.wait() if kernels else 0)
 
 
-def build_kernels(cache: Path, which: str) -> None:
+class Background:
+    """A step on a thread of its own (a daemon: Ctrl-C does not wait for it; its
+    compilers, in the same process group, get the same SIGINT)."""
+
+    def __init__(self, step: Callable[[], int]) -> None:
+        self.status = 1  # until the step returns
+        self._thread = threading.Thread(target=self._run, args=(step,), daemon=True)
+        self._thread.start()
+
+    def _run(self, step: Callable[[], int]) -> None:
+        self.status = step()
+
+    def wait(self) -> int:
+        self._thread.join()
+        return self.status
+
+
+def build_kernels(cache: Path, which: str) -> int:
     """Each variant ``which`` names, built unless it is (a failure is the exit status:
     an install that cannot build should say so, not leave it to the first start)."""
     from wsinfer.engine import native_build
 
-    for variant in native_build.to_build(which):
-        started = time.monotonic()
-        path = native_build.build(cache, variant)
-        log.info(
-            f"native CPU kernels ready: {variant.name}",
-            library=str(path),
-            seconds=round(time.monotonic() - started, 1),
-        )
+    try:
+        for variant in native_build.to_build(which):
+            started = time.monotonic()
+            path = native_build.build(cache, variant)
+            log.info(
+                f"native CPU kernels ready: {variant.name}",
+                library=str(path),
+                seconds=round(time.monotonic() - started, 1),
+            )
+    except native_build.BuildError as exc:  # one line to act on, no traceback
+        log.error(f"the native CPU kernels did not build: {exc}")
+        return 1
+    return 0
 
 
-def convert_model(cache: Path, spec: str | None) -> None:
-    from wsinfer.engine.model import converted_gguf_dir
+def convert_model(cache: Path, spec: str | None) -> int:
+    from wsinfer.engine.model import ModelLoadError, converted_gguf_dir
     from wsinfer.engine.resolve import resolve_spec
     from wsinfer.logs import route_library_logs
 
     route_library_logs()
     if spec is not None and spec.startswith("fake:"):
         log.info("nothing to convert: a fake model", model=spec)
-        return
-    source = resolve_spec(spec)
-    if not source.gguf:
-        log.info("nothing to convert: the model is not a GGUF file", model=source.name)
-        return
-    directory = converted_gguf_dir(source.path, cache)
+        return 0
+    try:
+        source = resolve_spec(spec)
+        if not source.gguf:
+            log.info("nothing to convert: the model is not a GGUF file", model=source.name)
+            return 0
+        directory = converted_gguf_dir(source.path, cache)
+    except ModelLoadError as exc:
+        log.error(str(exc))
+        return 1
     log.info(f"model ready: {source.name}", directory=str(directory))
+    return 0

@@ -35,7 +35,7 @@ def test_no_switch_builds_every_variant_this_cpu_runs_and_converts_the_model(
     built: list[str] = []
     monkeypatch.setattr(native_build, "build", lambda cache, variant: built.append(variant.name))
     models: list[str | None] = []
-    monkeypatch.setattr(prepare, "convert_model", lambda cache, spec: models.append(spec))
+    monkeypatch.setattr(prepare, "convert_model", lambda cache, spec: models.append(spec) or 0)
     assert main(["prepare", "--model", "some.gguf"]) == 0
     runs = native_build.runnable(native_build.variants_for(), native_build.cpu_flags())
     assert built == [variant.name for variant in runs] and models == ["some.gguf"]
@@ -47,7 +47,7 @@ def test_a_failed_build_is_one_line_and_the_model_still_converts(
     monkeypatch.setenv("WSINFER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     models: list[str | None] = []
-    monkeypatch.setattr(prepare, "convert_model", lambda cache, spec: models.append(spec))
+    monkeypatch.setattr(prepare, "convert_model", lambda cache, spec: models.append(spec) or 0)
     with structlog.testing.capture_logs() as logs:
         assert prepare.run(build_parser().parse_args(["prepare", "--best"])) == 1
     errors = [entry["event"] for entry in logs if entry["log_level"] == "error"]
@@ -57,6 +57,6 @@ def test_a_failed_build_is_one_line_and_the_model_still_converts(
 
 def test_a_fake_model_needs_no_conversion(tmp_path: Path) -> None:
     with structlog.testing.capture_logs() as logs:
-        prepare.convert_model(tmp_path, "fake:10")
+        assert prepare.convert_model(tmp_path, "fake:10") == 0
     assert logs[0]["event"] == "nothing to convert: a fake model"
     assert not list(tmp_path.iterdir())
