@@ -116,8 +116,8 @@ class EngineCore(CoreBase):
         if self.device.type != "cpu" or model.attn_softcap is not None:
             return
         if model.dtype == torch.float32 and native.kernels() is not None:
-            # The C++ kernels attend (their order is their code's), built now rather
-            # than at the first request (about 30 s on a new machine).
+            # The C++ kernels attend (their order is their code's), loaded now rather
+            # than at the first request (built first where `wsinfer prepare` was not run).
             return
         shape = (model.num_heads, model.num_kv_heads, model.head_dim, self.config.block_size)
         if not batch_invariant_here(*shape):

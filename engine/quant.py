@@ -29,7 +29,7 @@ distribution is 0.0019 nats with it (0.0003 with a float32 output layer) and the
 top token agrees at 97.6% of positions (98.1%). The embedding lookup keeps the
 float32 table (one row a token).
 
-Where the C++ kernels build (``engine/native.py``: a compiler, not turned off),
+Where the C++ kernels load (``engine/native.py``: built, not turned off),
 the layers multiply the file's blocks with them instead (``BlockLinear``,
 ``engine/native_quant.cpp``), as llama.cpp does: each activation row is quantized
 to int8 per block of 32 inputs (one float scale a block) and each block's products
