@@ -142,15 +142,9 @@ async def test_a_restart_mid_stream_loses_and_repeats_nothing(tmp_path: Path, ho
         turns = await asyncio.gather(*(start_turn(port, i) for i in range(TURNS)))
         paused = await paused_turn(port)
         finished = await start_turn(port, TURNS, tokens=5)
-        followers = [
-            Follower("ws" if i % 2 else "sse", session, token, 0, Direct(port))
-            for i, (session, token) in enumerate(turns)
-        ]
-        tasks = [asyncio.create_task(FOLLOW[f.kind](f)) for f in followers]
         # Mid-stream, and every turn's start at least a second old (so in the
         # append-only file, even when Redis itself is killed).
-        while min(len(f.text) for f in followers) < 40 * len(" lorem"):
-            await asyncio.sleep(0.1)
+        followers, tasks = await follow_mid_stream(port, turns)
         ttl_before = private_redis(tmp_path).ttl(keys.meta(finished[0]))  # idle since
         stop_server(process, how)
         stopped_at = [len(f.text) for f in followers]
@@ -179,6 +173,20 @@ async def test_a_restart_mid_stream_loses_and_repeats_nothing(tmp_path: Path, ho
     finally:
         if process.poll() is None:
             stop_serve(process)
+
+
+async def follow_mid_stream(
+    port: int, turns: list[tuple[str, str]]
+) -> tuple[list[Follower], list[asyncio.Task[None]]]:
+    """A WebSocket or SSE follower for each turn, returned once each has 40 tokens."""
+    followers = [
+        Follower("ws" if i % 2 else "sse", session, token, 0, Direct(port))
+        for i, (session, token) in enumerate(turns)
+    ]
+    tasks = [asyncio.create_task(FOLLOW[f.kind](f)) for f in followers]
+    while min(len(f.text) for f in followers) < 40 * len(" lorem"):
+        await asyncio.sleep(0.1)
+    return followers, tasks
 
 
 def first_generated(followers: list[Follower], logged: list[int], default: float) -> float:
@@ -256,13 +264,7 @@ async def test_a_dead_engine_s_turns_go_on_at_once_on_the_standby(tmp_path: Path
         [engine] = [pid for pid, standby in engines.items() if not standby]
         [standby] = [pid for pid, standby in engines.items() if standby]
         turns = await asyncio.gather(*(start_turn(port, i) for i in range(TURNS)))
-        followers = [
-            Follower("ws" if i % 2 else "sse", session, token, 0, Direct(port))
-            for i, (session, token) in enumerate(turns)
-        ]
-        tasks = [asyncio.create_task(FOLLOW[f.kind](f)) for f in followers]
-        while min(len(f.text) for f in followers) < 40 * len(" lorem"):
-            await asyncio.sleep(0.1)
+        followers, tasks = await follow_mid_stream(port, turns)
         os.kill(engine, signal.SIGKILL)
         killed = time.monotonic()
         logged = await asyncio.gather(*(status(port, *turn) for turn in turns))
