@@ -110,7 +110,8 @@ def test_every_engine_manifest_serves_metrics_where_it_is_scraped() -> None:
     statefulset = yaml.safe_load_all((DEPLOY / "k8s" / "engine.yaml").read_text())
     pod = next(d for d in statefulset if d["kind"] == "StatefulSet")["spec"]["template"]
     args = pod["spec"]["containers"][0]["args"]
-    assert args[args.index("--metrics-port") + 1] == pod["metadata"]["annotations"][
-        "prometheus.io/port"
-    ]
+    assert (
+        args[args.index("--metrics-port") + 1]
+        == pod["metadata"]["annotations"]["prometheus.io/port"]
+    )
     assert args[args.index("--metrics-host") + 1] == "0.0.0.0"
