@@ -25,12 +25,12 @@ from typing import Any
 
 from wsinfer.contract import ErrorCode, FinishReasonName
 from wsinfer.engine.core import EngineRequest, RequestOutput
+from wsinfer.engine.fake_spec import FakeSpec
 from wsinfer.engine.lifecycle import refused
 from wsinfer.engine.logprobs import TokenLogprob
 from wsinfer.engine.lru import LRUBacked, RetainedLRU
 from wsinfer.sessions.schema import TurnError, Usage
 
-FAKE_PREFIX = "fake:"
 WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
 # Nominal size of one token's KV, so the cache metrics move like a small model's.
 FAKE_KV_BYTES_PER_TOKEN = 16 * 1024
@@ -39,33 +39,6 @@ FAKE_KV_BYTES_PER_TOKEN = 16 * 1024
 # as a real engine does. One output per request per step: process.py numbers
 # a step's publishes per turn on that assumption.
 MAX_TOKENS_PER_STEP = 64
-
-
-class FakeSpecError(ValueError):
-    """A ``fake:`` model spec that cannot be parsed."""
-
-
-@dataclass(frozen=True)
-class FakeSpec:
-    tokens_per_s: float
-    stamp: bool = False
-
-    @classmethod
-    def parse(cls, spec: str) -> FakeSpec:
-        parts = spec.removeprefix(FAKE_PREFIX).split(":")
-        try:
-            rate = float(parts[0])
-        except ValueError:
-            raise FakeSpecError(f"{spec!r}: expected fake:TOKENS_PER_S[:stamp]") from None
-        if not rate > 0 or math.isnan(rate):
-            raise FakeSpecError(f"{spec!r}: the rate must be a positive number (or inf)")
-        if parts[1:] not in ([], ["stamp"]):
-            raise FakeSpecError(f"{spec!r}: the only option is ':stamp'")
-        return cls(rate, stamp=parts[1:] == ["stamp"])
-
-
-def is_fake(spec: str | None) -> bool:
-    return spec is not None and spec.startswith(FAKE_PREFIX)
 
 
 class FakeTokenizer:

@@ -24,7 +24,8 @@ import structlog
 from wsinfer.contract import ErrorCode
 from wsinfer.engine.core import EngineConfig, EngineRequest, RequestOutput, build_core
 from wsinfer.engine.defaults import default_dtype, resolve_device
-from wsinfer.engine.fake import FakeLoaded, fake_engine, is_fake
+from wsinfer.engine.fake import FakeLoaded, fake_engine
+from wsinfer.engine.fake_spec import is_fake
 from wsinfer.engine.lifecycle import Core
 from wsinfer.engine.logprobs import wire_entries
 from wsinfer.engine.metrics import EngineMetrics

@@ -25,6 +25,8 @@ from typing import Any
 
 import structlog
 
+from .early_stop import exit_on_stop_until_serving
+
 log = structlog.get_logger("wsinfer.engine.standby")
 
 ACTIVATE = signal.SIGUSR1
@@ -58,8 +60,7 @@ class StandbyGate:
         while not self.activated.wait(0.2):
             if self.stopped.is_set() or orphaned():
                 return False
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        exit_on_stop_until_serving()  # until EngineProcess.run takes the signals
         restore_priority(self._niceness)
         log.info("standby engine activated")
         return True

@@ -1,5 +1,5 @@
 import sys
 
-from wsinfer.cli import main
+from wsinfer.launch import main
 
 sys.exit(main())

@@ -18,7 +18,6 @@ import sys
 from typing import Any
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-FAKE_PREFIX = "fake:"  # as engine/fake.py, which imports torch: checked here first
 
 DESCRIPTION = "WebSocket-first streaming LLM inference with resumable sessions."
 EPILOG = (
@@ -89,9 +88,9 @@ def _log_level(text: str) -> str:
 
 
 def _model_spec(text: str) -> str:
-    if text.startswith(FAKE_PREFIX):
-        from wsinfer.engine.fake import FakeSpec, FakeSpecError
+    from wsinfer.engine.fake_spec import FakeSpec, FakeSpecError, is_fake
 
+    if is_fake(text):
         try:
             FakeSpec.parse(text)
         except FakeSpecError as exc:
@@ -484,6 +483,9 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from wsinfer.stop_signals import StopSignals
+
+    signals = StopSignals()  # before the imports and the event loop: no Ctrl-C is lost
     from pathlib import Path
 
     from wsinfer.supervisor import ServeOptions, serve_all
@@ -496,7 +498,7 @@ def run_serve(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir).expanduser() if args.data_dir else None,
         standby=args.device == "cpu" if standby is None else standby,
     )
-    return asyncio.run(serve_all(config, options))
+    return asyncio.run(serve_all(config, options, signals=signals))
 
 
 def run_frontend(args: argparse.Namespace) -> int:
@@ -563,8 +565,11 @@ def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run_engine_command(args: argparse.Namespace) -> int:
+    from wsinfer.engine.early_stop import exit_on_stop_until_serving
+
+    exit_on_stop_until_serving()  # first of all: a Ctrl-C may come while torch imports
     standby = None
-    if args.standby:  # first of all: an activation may come while torch imports
+    if args.standby:  # an activation, too
         from wsinfer.engine.standby import StandbyGate
 
         standby = StandbyGate()
@@ -607,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(argv)
     except KeyboardInterrupt:  # Ctrl-C before the command caught signals itself
+        # The status is 130, or the process ends by SIGINT itself where the
+        # interrupt landed in an exec() (dataclasses run one per class), which
+        # CPython 3.11 takes as never handled: a shell says 130 for both.
         print("wsinfer: interrupted", file=sys.stderr)
         return 130
 

@@ -36,6 +36,7 @@ from wsinfer.logs import announce as announce_line
 from wsinfer.server import Frontend, FrontendConfig
 from wsinfer.sessions.handover import hand_over, last_heartbeat, registered_engines
 from wsinfer.startup import start_frontend
+from wsinfer.stop_signals import StopSignals
 
 T = TypeVar("T")
 
@@ -50,7 +51,7 @@ _PR_SET_PDEATHSIG = 1
 # installed package. Dropping that entry leaves what the `wsinfer` command itself sees.
 ENGINE_ENTRY = (
     "import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
-    "from wsinfer.cli import main; sys.exit(main())"
+    "from wsinfer.launch import main; sys.exit(main())"
 )
 
 
@@ -376,16 +377,23 @@ class ServeOptions:
 
 
 async def serve_all(
-    config: FrontendConfig, options: ServeOptions, announce: Callable[..., None] = announce_line
+    config: FrontendConfig,
+    options: ServeOptions,
+    announce: Callable[..., None] = announce_line,
+    signals: StopSignals | None = None,
 ) -> int:
     """Returns the exit status: 0 after a signal, 1 when something could not go on.
 
-    SIGINT and SIGTERM are caught from the first moment: at any point of the
-    start-up they stop it with one line and leave nothing running."""
-    stop = _stop_on_signals()
+    SIGINT and SIGTERM are caught from the first moment (``signals``, caught
+    before the event loop started): at any point of the start-up they stop it
+    with one line and leave nothing running."""
+    signals = signals or StopSignals()
+    stop = signals.event()
     runtime = Path(tempfile.mkdtemp(prefix="wsinfer-"))  # the socket: a short path
     lock = embedded = engine = frontend = None
     try:
+        if stop.is_set():  # a signal before the loop ran
+            return 0
         if options.redis_url is None:
             lock, embedded = await _private_redis(options.data_dir or default_data_dir(), runtime)
             config.redis_url = embedded.url
@@ -403,15 +411,8 @@ async def serve_all(
     finally:
         await _stop_all(frontend, engine, embedded, lock)
         shutil.rmtree(runtime, ignore_errors=True)
+        signals.restore()
         log.info("stopped")
-
-
-def _stop_on_signals() -> asyncio.Event:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 async def _private_redis(data_dir: Path, runtime: Path) -> tuple[DataDirLock, EmbeddedRedis]:

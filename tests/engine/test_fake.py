@@ -12,10 +12,9 @@ from wsinfer.engine.fake import (
     FAKE_KV_BYTES_PER_TOKEN,
     WORDS,
     FakeCore,
-    FakeSpec,
-    FakeSpecError,
     fake_engine,
 )
+from wsinfer.engine.fake_spec import FakeSpec, FakeSpecError
 from wsinfer.sessions.schema import GenerationParams
 
 

@@ -202,6 +202,17 @@ def test_a_busy_port_is_reported_before_anything_heavy_is_imported(tmp_path: Pat
     assert "torch" not in imported and "transformers" not in imported
 
 
+def test_serve_with_the_fake_model_does_not_import_torch_either() -> None:
+    # Its flags are checked in the supervisor, where torch's import of numpy would
+    # swallow a Ctrl-C that lands in it (serve then never stopped).
+    check = (
+        "import sys; from wsinfer.cli import build_parser; "
+        "build_parser().parse_args(['serve', '--model', 'fake:100:stamp']); "
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=60)
+
+
 def test_quantized_cpu_weights_are_the_default_and_opting_out_reaches_serves_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

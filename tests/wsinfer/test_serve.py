@@ -28,6 +28,14 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """Children, their children, and so on: a process tree as it stands now."""
+    found = []
+    for child in children_of(pid):
+        found += [child, *descendants(child)]
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

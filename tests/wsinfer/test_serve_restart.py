@@ -33,7 +33,7 @@ import redis
 from tests.followers import FOLLOW, Direct, Follower
 from tests.ports import free_ports
 from tests.stack import Client, joined, start_serve, stop_serve
-from tests.wsinfer.test_serve import alive, children_of, wait_gone
+from tests.wsinfer.test_serve import alive, children_of, descendants, wait_gone
 from wsinfer.engine.fake import WORDS
 from wsinfer.sessions import keys
 
@@ -62,13 +62,6 @@ def serve(state: Path, port: int) -> subprocess.Popen[str]:
         start_new_session=True,  # a process group of its own, to kill as a user would
     )
     return process
-
-
-def descendants(pid: int) -> list[int]:
-    found = []
-    for child in children_of(pid):
-        found += [child, *descendants(child)]
-    return found
 
 
 def stop_server(process: subprocess.Popen[str], how: str) -> None:

@@ -1,8 +1,14 @@
 """Ctrl-C at any point of `wsinfer serve`'s start-up: no traceback, nothing left
-running, and the next start is not hindered (the data dir's lock went with it)."""
+running, and the next start is not hindered (the data dir's lock went with it).
+
+A terminal's Ctrl-C reaches the whole process group at once; a service manager's
+SIGINT reaches serve alone, which then stops its children: both are tried. The
+engine alone is tried at finer steps through its imports, where a signal once
+landed inside numpy's and the engine went on half-imported (seen in CI)."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -14,16 +20,9 @@ import pytest
 
 from tests.models import tiny_model_dir
 from tests.stack import start_serve, stop_serve
-from tests.wsinfer.test_serve import alive, children_of
+from tests.wsinfer.test_serve import alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    for child in children_of(pid):
-        found |= {child, *descendants(child)}
-    return found
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -38,18 +37,41 @@ def test_ctrl_c_during_start_up(tmp_path: Path, seed: int) -> None:
         stderr=subprocess.PIPE,
         text=True,
         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp_path)},
+        start_new_session=True,
     )
     seen: set[int] = set()
     deadline = time.monotonic() + delay
     while time.monotonic() < deadline:
-        seen |= descendants(process.pid)
+        seen |= set(descendants(process.pid))
         time.sleep(0.02)
-    process.send_signal(signal.SIGINT)  # as a terminal's Ctrl-C reaches it
+    if seed % 2:
+        os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C
+    else:
+        process.send_signal(signal.SIGINT)  # a service manager's
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode in (0, 130), stderr
+    # -SIGINT: see wsinfer.cli.main (CPython ends by the signal itself, at times).
+    assert process.returncode in (0, 130, -signal.SIGINT), stderr
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
-    assert len(stderr.strip().splitlines()) <= 12, stderr  # a few log lines, no dump
-    assert [pid for pid in seen if alive(pid)] == []
+    assert len(stderr.strip().splitlines()) <= 25, stderr  # log lines (17 all told), no dump
+    left = [pid for pid in seen if alive(pid)]
+    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
     # The next start is not held up by anything this one left behind.
     again, _ = start_serve(tmp_path, "--model", "fake:100", "--data-dir", str(tmp_path / "data"))
     assert stop_serve(again) == 0
+
+
+def test_engine_ctrl_c_during_imports_and_load(tmp_path: Path, redis_url: str) -> None:
+    # Steps through the engine's own start (imports ~3 s here, the tiny model <1 s).
+    command = [sys.executable, "-m", "wsinfer", "engine", "--redis-url", redis_url]
+    command += ["--model", str(tiny_model_dir())]
+    for step in range(25):
+        process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        time.sleep(0.15 * step)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+        # 130: stopped before it served; 0: it was serving and stopped as it does
+        # then; -SIGINT, silent: it came before Python itself had started.
+        assert process.returncode in (0, 130) or not stderr, (step, stderr)
+        assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, (step, stderr)
