@@ -312,12 +312,3 @@ class FanIn:
                 sub.deliver(fresh)
             if any(isinstance(ev, DoneEvent) for ev in fresh):
                 self.unsubscribe(owner)
-
-
-def make_fanin(redis: aioredis.Redis, frontend_id: str) -> FanIn:
-    """The fan-in for this Redis: one XREAD, or one reader per node on a cluster."""
-    if is_cluster(redis):
-        from wsinfer.fanin_cluster import ClusterFanIn
-
-        return ClusterFanIn(redis, frontend_id)
-    return FanIn(redis, frontend_id)

@@ -22,7 +22,8 @@ from websockets.exceptions import ConnectionClosed
 from wsinfer.access import Access
 from wsinfer.contract import CloseCode, ErrorCode
 from wsinfer.errors import ClientError, StoreUnavailable, WsinferError
-from wsinfer.fanin import make_fanin
+from wsinfer.fanin import FanIn
+from wsinfer.fanin_cluster import ClusterFanIn
 from wsinfer.handlers import Handlers, to_protocol_error
 from wsinfer.http.app import HttpApp
 from wsinfer.http.door import front_door
@@ -32,7 +33,7 @@ from wsinfer.metrics import Metrics
 from wsinfer.plain_routes import PlainRoutes
 from wsinfer.protocol import ConnectionProtocol
 from wsinfer.sendpath import DeflateLargeFactory, Sender
-from wsinfer.sessions.connect import DEFAULT_POOL_SIZE, async_client, ready
+from wsinfer.sessions.connect import DEFAULT_POOL_SIZE, async_client, is_cluster, ready
 from wsinfer.sessions.schema import DEFAULT_SESSION_TTL_S, ENGINE_FRESH_S
 from wsinfer.sessions.store import SessionStore
 
@@ -80,7 +81,7 @@ class Frontend:
         self.capacity = CapacityGate(
             lambda: self.store.capacity(config.engine_heartbeat_s), config.max_queued_turns
         )
-        self.fanin = make_fanin(self.fanin_redis, self.id)
+        self.fanin = _fanin_for(self.fanin_redis, self.id)
         self.metrics = Metrics(lambda: self.connections)
         self.connections: set[Connection] = set()
         self.log_throttle = LogThrottle()
@@ -300,6 +301,16 @@ class Connection:
             self.flush()
 
         return deliver
+
+
+def _fanin_for(redis: aioredis.Redis, frontend_id: str) -> FanIn:
+    """The fan-in for this Redis: one XREAD, or one reader per node on a cluster.
+
+    Chosen here, by the fan-in's user, so that the base class never imports
+    its subclass."""
+    if is_cluster(redis):
+        return ClusterFanIn(redis, frontend_id)
+    return FanIn(redis, frontend_id)
 
 
 def _select_subprotocol(conn: ServerConnection, offered: Any) -> Any:
