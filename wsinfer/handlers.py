@@ -77,6 +77,9 @@ class Peer(Protocol):
 
     def on_events(self, session: str, turn: int) -> Any: ...
 
+    def flush(self) -> None:
+        """Send (or wake the sender of) what its protocol has queued."""
+
 
 def to_protocol_error(exc: BaseException) -> WsinferError:
     """Map any exception raised while serving a request to a protocol error."""

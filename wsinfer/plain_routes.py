@@ -22,14 +22,14 @@ from websockets.http11 import Request, Response
 from wsinfer.access import Denied, is_public, request_path, shorten
 
 if TYPE_CHECKING:
-    from wsinfer.server import Frontend
+    from wsinfer.services import RouteServices
 
 # Resolved through the package, so it works installed as well as editable.
 BROWSER_DIR = Path(str(files("wsinfer.clients") / "browser"))
 
 
 class PlainRoutes:
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: RouteServices) -> None:
         self.frontend = frontend
 
     async def answer(self, request: Request) -> Response | None:

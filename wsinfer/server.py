@@ -24,7 +24,7 @@ from wsinfer.contract import CloseCode, ErrorCode
 from wsinfer.errors import ClientError, StoreUnavailable, WsinferError
 from wsinfer.fanin import FanIn
 from wsinfer.fanin_cluster import ClusterFanIn
-from wsinfer.handlers import Handlers, to_protocol_error
+from wsinfer.handlers import Handlers, Peer, to_protocol_error
 from wsinfer.http.app import HttpApp
 from wsinfer.http.door import front_door
 from wsinfer.limits import CapacityGate, LogThrottle, TokenBucket
@@ -69,7 +69,11 @@ class FrontendConfig:
 
 
 class Frontend:
-    """One frontend process: the websockets server plus shared Redis plumbing."""
+    """One frontend process: the websockets server plus shared Redis plumbing.
+
+    The doors it builds (``HttpApp``, ``PlainRoutes``) take it as
+    ``wsinfer/services.py``'s protocols, which list what they use of it, so
+    that they never import this module."""
 
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
@@ -156,7 +160,7 @@ class Frontend:
         while not self._closing:
             await asyncio.sleep(self.config.touch_interval_s)
             followed: dict[str, int] = {}
-            peers: list[Any] = [*self.connections, *self.http.peers]
+            peers: list[Peer] = [*self.connections, *self.http.peers]
             for conn in peers:
                 followed.update({s: f.turn for s, f in conn.protocol.feeds.items()})
             await self._ping_redis()
@@ -183,7 +187,7 @@ class Frontend:
         self.metrics.redis_rtt.observe(time.perf_counter() - started)
 
     def _session_lost(self, session: str) -> None:
-        peers: list[Any] = [*self.connections, *self.http.peers]
+        peers: list[Peer] = [*self.connections, *self.http.peers]
         for conn in peers:
             if session in conn.protocol.feeds:
                 self.fanin.unsubscribe((conn.id, session))

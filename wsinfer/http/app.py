@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import h11
@@ -32,6 +32,7 @@ from wsinfer.handlers import to_protocol_error
 from wsinfer.http.choices import ManyChoices
 from wsinfer.http.completions import TextCompletion, parse_completion_request
 from wsinfer.http.connection import HttpConnection, HttpRequest, HttpResponse
+from wsinfer.http.host import Handler
 from wsinfer.http.openai import (
     SESSION_HEADER,
     SSE_KEEPALIVE,
@@ -52,17 +53,15 @@ from wsinfer.http.responses_routes import ResponsesRoutes
 from wsinfer.messages import Resume, SessionCommand
 
 if TYPE_CHECKING:
-    from wsinfer.server import Frontend
+    from wsinfer.services import FrontendServices
 
 log = structlog.get_logger("wsinfer.http")
 
 MAX_DIGITS = 18  # a seq or turn number; longer is no integer we could have sent
 
-Handler = Callable[..., Awaitable[HttpResponse]]
-
 
 class HttpApp:
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: FrontendServices) -> None:
         self.frontend = frontend
         self.peers: set[HttpPeer] = set()  # the frontend keeps their sessions watched
         self.connections: set[HttpConnection] = set()

@@ -37,11 +37,11 @@ from wsinfer.http.peer import KEEPALIVE_S, HttpPeer
 from wsinfer.messages import Generate
 
 if TYPE_CHECKING:
-    from wsinfer.http.app import HttpApp
+    from wsinfer.http.host import RouteHost
 
 
 class ManyChoices:
-    def __init__(self, app: HttpApp) -> None:
+    def __init__(self, app: RouteHost) -> None:
         self.app = app
 
     async def complete(self, chat: ChatRequest, kind: type[Completion]) -> HttpResponse:

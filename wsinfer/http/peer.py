@@ -26,7 +26,7 @@ from wsinfer.sessions.schema import TurnEvent
 from wsinfer.waiting import wait_set
 
 if TYPE_CHECKING:
-    from wsinfer.server import Frontend
+    from wsinfer.services import FrontendServices
 
 log = structlog.get_logger("wsinfer.http")
 
@@ -50,7 +50,7 @@ class _NoFrames:
 
 
 class HttpPeer:
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: FrontendServices) -> None:
         self.frontend = frontend
         self.id = f"http-{uuid.uuid4().hex[:12]}"
         self.protocol = ConnectionProtocol(_NoFrames(), frontend.config.limits)

@@ -40,11 +40,11 @@ from wsinfer.sessions.schema import DeltaEvent, DoneEvent, GenerationParams
 from wsinfer.sessions.store import SessionInfo, SessionNotFound
 
 if TYPE_CHECKING:
-    from wsinfer.http.app import Handler, HttpApp
+    from wsinfer.http.host import Handler, RouteHost
 
 
 class ResponsesRoutes:
-    def __init__(self, app: HttpApp) -> None:
+    def __init__(self, app: RouteHost) -> None:
         self.app = app
         self.frontend = app.frontend
 
