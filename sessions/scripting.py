@@ -1,5 +1,11 @@
-"""Running wsinfer's Lua scripts (``sessions/scripts.py``): in pipelines, in bulk,
-on one Redis or a Cluster.
+"""Declaring and running wsinfer's Lua scripts (``sessions/scripts.py``): in
+pipelines, in bulk, on one Redis or a Cluster.
+
+A script's call is declared once, as a ``Script``: its fields, in order, are
+the script's KEYS and ARGV. The caller builds it by name (``keys()`` and
+``args()`` lay it out), and the script's Lua opens with a header that binds
+each field to a local of the same name (``header()``), so neither side
+counts positions and the two cannot disagree on them.
 
 A script call is an EVALSHA queued in a pipeline, never redis-py's ``Script``
 object there (which costs a SCRIPT EXISTS round trip per pipeline); scripts are
@@ -11,16 +17,152 @@ and one pipeline per node on a Cluster.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import enum
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast, dataclass_transform
 
+import msgpack
 import redis
 import redis.asyncio as aioredis
 import redis.cluster
 from redis.exceptions import ClusterError, TryAgainError
 
 from wsinfer.sessions.connect import FAILOVER_WINDOW_S, is_cluster
+
+# --- a script's call, declared ------------------------------------------------
+
+
+class Slot(enum.Enum):
+    """Where a field of a script's call goes."""
+
+    KEY = "one KEYS entry"
+    REST_KEYS = "every KEYS entry after the declared ones: a list in Lua"
+    ARG = "one ARGV entry, as redis-py encodes it"
+    PACKED = "one ARGV entry, msgpack-encoded; decoded in the header"
+    COUNTED = "a count, then that many groups of ARGV: a list of tables in Lua"
+
+
+_SLOT, _GROUP = "wsinfer_slot", "wsinfer_group"
+
+
+def key() -> Any:
+    return dataclasses.field(metadata={_SLOT: Slot.KEY})
+
+
+def rest_keys() -> Any:
+    return dataclasses.field(metadata={_SLOT: Slot.REST_KEYS})
+
+
+def arg() -> Any:
+    return dataclasses.field(metadata={_SLOT: Slot.ARG})
+
+
+def packed() -> Any:
+    return dataclasses.field(metadata={_SLOT: Slot.PACKED})
+
+
+def counted(*names: str) -> Any:
+    """Tuples of ``names`` in Python; tables with those fields in Lua."""
+    return dataclasses.field(metadata={_SLOT: Slot.COUNTED, _GROUP: names})
+
+
+# Lua's reserved words: a field so named would be a syntax error in the header.
+_LUA_RESERVED = frozenset(
+    {"and", "break", "do", "else", "elseif", "end", "false", "for", "function", "if", "in"}
+    | {"local", "nil", "not", "or", "repeat", "return", "then", "true", "until", "while"}
+)
+
+
+@dataclass_transform(
+    kw_only_default=True,
+    frozen_default=True,
+    field_specifiers=(key, rest_keys, arg, packed, counted),
+)
+class Script:
+    """One script's call: subclasses are frozen keyword-only dataclasses whose
+    fields, each declared with ``key()``, ``arg()``..., are its KEYS and ARGV
+    in order. ``LUA`` is the script (set where it is written, ``scripts.py``)."""
+
+    LUA: ClassVar[str]
+    _layout: ClassVar[tuple[tuple[str, Slot, tuple[str, ...]], ...]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+        cls._layout = tuple(
+            (f.name, f.metadata[_SLOT], f.metadata.get(_GROUP, ()))
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        )
+        cls.header()  # a bad layout fails at import
+
+    @classmethod
+    def header(cls) -> str:
+        """The Lua that binds each field to a local of its name: the only
+        place a script reads KEYS or ARGV."""
+        lines: list[str] = []
+        keys, args = 1, 1
+        for name, slot, group in cls._layout:
+            if name in _LUA_RESERVED or not name.isidentifier():
+                raise TypeError(f"{cls.__name__}.{name} is no Lua name")
+            if (slot in (Slot.KEY, Slot.REST_KEYS) and keys == 0) or args == 0:
+                raise TypeError(f"{cls.__name__}.{name} follows a field that takes the rest")
+            if slot is Slot.KEY:
+                lines.append(f"local {name} = KEYS[{keys}]")
+                keys += 1
+            elif slot is Slot.REST_KEYS:
+                lines.append(f"local {name} = {{}}")
+                lines.append(f"for i = {keys}, #KEYS do {name}[#{name} + 1] = KEYS[i] end")
+                keys = 0
+            elif slot is Slot.ARG:
+                lines.append(f"local {name} = ARGV[{args}]")
+                args += 1
+            elif slot is Slot.PACKED:
+                lines.append(f"local {name} = cmsgpack.unpack(ARGV[{args}])")
+                args += 1
+            else:
+                lines += _counted_header(name, group, args)
+                args = 0
+        return "\n".join(lines) + "\n"
+
+    def keys(self) -> list[Any]:
+        """The call's KEYS, in the declared order."""
+        out: list[Any] = []
+        for name, slot, _ in self._layout:
+            if slot is Slot.KEY:
+                out.append(getattr(self, name))
+            elif slot is Slot.REST_KEYS:
+                out += getattr(self, name)
+        return out
+
+    def args(self) -> list[Any]:
+        """The call's ARGV, in the declared order."""
+        out: list[Any] = []
+        for name, slot, group in self._layout:
+            value = getattr(self, name)
+            if slot is Slot.ARG:
+                out.append(value)
+            elif slot is Slot.PACKED:
+                out.append(msgpack.packb(value, use_bin_type=False))
+            elif slot is Slot.COUNTED:
+                out.append(len(value))
+                for one in value:
+                    if len(one) != len(group):
+                        raise ValueError(f"{name} takes groups of {group}, not {one!r}")
+                    out += one
+        return out
+
+
+def _counted_header(name: str, group: tuple[str, ...], at: int) -> list[str]:
+    fields = ", ".join(
+        f"{field} = ARGV[{at + 1 + j} + {len(group)} * i]" for j, field in enumerate(group)
+    )
+    return [
+        f"local {name} = {{}}",
+        f"for i = 0, tonumber(ARGV[{at}]) - 1 do {name}[i + 1] = {{{fields}}} end",
+    ]
+
 
 # --- Lua scripts in pipelines ------------------------------------------------------
 #
@@ -108,6 +250,11 @@ def run_pipeline_sync(
 # cluster client, which follows redirections and refreshes its slot map.
 
 ScriptCall = tuple[Any, Sequence[Any], Sequence[Any]]  # (registered script, keys, args)
+
+
+def bound(script: Any, call: Script) -> ScriptCall:
+    """A registered script with its call's KEYS and ARGV, for ``run_scripts``."""
+    return (script, call.keys(), call.args())
 
 
 def run_scripts(client: redis.Redis, calls: list[ScriptCall]) -> list[Any]:
