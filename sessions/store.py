@@ -14,7 +14,6 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -37,7 +36,21 @@ from wsinfer.sessions.schema import (
     engine_group_lag,
     pack,
 )
-from wsinfer.sessions.scripting import ScriptCall, queue_script, run_pipeline, run_scripts_async
+from wsinfer.sessions.scripting import (
+    ScriptCall,
+    bound,
+    queue_script,
+    run_pipeline,
+    run_scripts_async,
+)
+from wsinfer.sessions.scripts import (
+    CloseCall,
+    ControlCall,
+    Reply,
+    StartTurnCall,
+    TouchCall,
+    WatchUntilCall,
+)
 from wsinfer.sessions.states import (
     Action,
     Effect,
@@ -185,20 +198,22 @@ class SessionStore:
         # The work item goes with the script in one round trip. When the script
         # refuses, the item is a harmless stray: an engine's claim of a turn
         # that is not queued fails, and it acks the item.
-        status_from = ",".join(s.value for s in allowed_from(Action.START))
-        script_keys = [keys.meta(session), keys.turn_input(session, turn), *_others(session, turn)]
-        args = [
-            token_hash,
-            "1" if is_new else "0",
-            turn,
-            turn_input.mode,
-            turn_input.pack(),
-            time.time(),
-            self.ttl_s,
-            status_from,
-            target(Action.START).value,
-            hash_idempotency_key(key) if key else "",
-        ]
+        call = StartTurnCall(
+            meta=keys.meta(session),
+            turn_input=keys.turn_input(session, turn),
+            other_keys=_others(session, turn, keys.turn_input(session, turn)),
+            token_hash=token_hash,
+            is_new="1" if is_new else "0",
+            next_turn=turn,
+            mode=turn_input.mode,
+            packed_input=turn_input.pack(),
+            now=time.time(),
+            session_ttl=self.ttl_s,
+            allowed_from=",".join(s.value for s in allowed_from(Action.START)),
+            target=target(Action.START).value,
+            idem_hash=hash_idempotency_key(key) if key else "",
+        )
+        script_keys, args = call.keys(), call.args()
         item = encode(TurnRequest(session, turn))
         if is_cluster(self.redis):  # the queue lives on another node: two calls
             reply = await self._start(keys=script_keys, args=args)
@@ -214,13 +229,13 @@ class SessionStore:
                 if isinstance(result, Exception):
                     raise result
         outcome = [as_str(v) for v in reply]
-        if outcome[0] == "repeat":
+        if outcome[0] == Reply.REPEAT:
             return int(outcome[1]), outcome[2]
-        if outcome[0] == "not_found":
+        if outcome[0] == Reply.NOT_FOUND:
             raise SessionNotFound(session)
-        if outcome[0] in ("illegal", "stale"):
+        if outcome[0] in (Reply.ILLEGAL, Reply.STALE):
             raise IllegalTransition(Action.START, outcome[1] if len(outcome) > 1 else "busy")
-        if outcome[0] == "mode":
+        if outcome[0] == Reply.MODE:
             raise ModeMismatch(
                 f"this session takes {'messages' if outcome[1] == 'chat' else 'prompt'}"
             )
@@ -262,32 +277,38 @@ class SessionStore:
         """Apply a client's stop/pause/resume to ``turn`` atomically: the first of
         the table's transitions for it that the turn's status allows."""
         candidates = store_candidates(ClientMessageType(action))
-        script_keys = [
-            keys.meta(session),
-            keys.turn_stream(session, turn),
-            keys.session_wake(session),
+        rows = [
+            (",".join(s.value for s in allowed_from(act)), target(act).value, effect.value)
+            for act, effect in candidates
         ]
         for _ in range(MOVED_RETRIES):
             meta = (await self.info(session, token)).meta
-            args: list[Any] = [hash_token(token), turn, self.ttl_s, int(time.time())]
-            args += [meta.counters(), pack(PausedEvent(meta.seq)), pack(meta.cancelled())]
-            args.append(len(candidates))
-            for act, effect in candidates:
-                args += [",".join(s.value for s in allowed_from(act)), target(act).value]
-                args.append(effect.value)
-            reply = [as_str(v) for v in await self._control(keys=script_keys, args=args)]
-            if reply[0] != "moved":
+            call = ControlCall(
+                meta=keys.meta(session),
+                turn_stream=keys.turn_stream(session, turn),
+                session_wake=keys.session_wake(session),
+                token_hash=hash_token(token),
+                turn=turn,
+                fallback_ttl=self.ttl_s,
+                now=int(time.time()),
+                expected_counters=meta.counters(),
+                paused_event=pack(PausedEvent(meta.seq)),
+                cancelled_event=pack(meta.cancelled()),
+                candidates=rows,
+            )
+            reply = [as_str(v) for v in await self._control(keys=call.keys(), args=call.args())]
+            if reply[0] != Reply.MOVED:
                 return await self._controlled(session, turn, candidates[0][0], reply)
         raise RuntimeError(f"session {session} kept moving under a {action}")
 
     async def _controlled(
         self, session: str, turn: int, action: Action, reply: list[str]
     ) -> ControlResult:
-        if reply[0] == "not_found":
+        if reply[0] == Reply.NOT_FOUND:
             raise SessionNotFound(session)
-        if reply[0] == "stale":
+        if reply[0] == Reply.STALE:
             raise IllegalTransition(action, "no longer the latest turn")
-        if reply[0] == "illegal":
+        if reply[0] == Reply.ILLEGAL:
             raise IllegalTransition(action, reply[1])
         result = ControlResult(Effect(reply[1]), TurnStatus(reply[2]), int(reply[3]))
         if result.effect is Effect.REQUEUE:
@@ -297,11 +318,17 @@ class SessionStore:
     async def keep_running(self, session: str, token: str, turn: int) -> None:
         """Exempt the latest turn from the idle pause for the session's TTL: it
         runs on with nobody watching (a ``background`` response)."""
-        args: list[Any] = [hash_token(token), turn, time.time(), self.ttl_s]
-        reply = [as_str(v) for v in await self._watch_until(keys=[keys.meta(session)], args=args)]
-        if reply[0] == "not_found":
+        call = WatchUntilCall(
+            meta=keys.meta(session),
+            token_hash=hash_token(token),
+            turn=turn,
+            now=time.time(),
+            fallback_ttl=self.ttl_s,
+        )
+        reply = [as_str(v) for v in await self._watch_until(keys=call.keys(), args=call.args())]
+        if reply[0] == Reply.NOT_FOUND:
             raise SessionNotFound(session)
-        if reply[0] == "stale":
+        if reply[0] == Reply.STALE:
             raise IllegalTransition(Action.START, "no longer the latest turn")
 
     async def turn_created(self, session: str, turn: int) -> int:
@@ -323,14 +350,19 @@ class SessionStore:
         for _ in range(MOVED_RETRIES):
             info = await self.info(session, token)
             stream = keys.turn_stream(session, info.turn)
-            mine = keys.session_keys(session, info.turn)
-            others = [k for k in mine if k not in (keys.meta(session), stream)]
-            args: list[Any] = [hash_token(token), CLOSE_LINGER_S, info.meta.counters()]
-            args.append(pack(info.meta.cancelled()))
-            reply = await self._close(keys=[keys.meta(session), stream, *others], args=args)
-            if as_str(reply[0]) == "not_found":
+            call = CloseCall(
+                meta=keys.meta(session),
+                turn_stream=stream,
+                other_keys=_others(session, info.turn, stream),
+                token_hash=hash_token(token),
+                linger_s=CLOSE_LINGER_S,
+                expected_counters=info.meta.counters(),
+                cancelled_event=pack(info.meta.cancelled()),
+            )
+            reply = await self._close(keys=call.keys(), args=call.args())
+            if as_str(reply[0]) == Reply.NOT_FOUND:
                 raise SessionNotFound(session)
-            if as_str(reply[0]) == "ok":
+            if as_str(reply[0]) == Reply.OK:
                 return
         raise RuntimeError(f"session {session} kept moving under a close")
 
@@ -346,7 +378,18 @@ class SessionStore:
         now = time.time()
         queued, after = TurnStatus.QUEUED.value, max(resend_after_s, 0.0)
         calls: list[ScriptCall] = [
-            (self._touch, keys.session_keys(session, turn), [now, self.ttl_s, turn, queued, after])
+            bound(
+                self._touch,
+                TouchCall(
+                    meta=keys.meta(session),
+                    other_keys=_others(session, turn),
+                    now=now,
+                    fallback_ttl=self.ttl_s,
+                    turn=turn,
+                    queued_status=queued,
+                    resend_after=after,
+                ),
+            )
             for session, turn in sessions.items()
         ]
         replies = await run_scripts_async(self.redis, calls)
@@ -429,10 +472,11 @@ def _started(session: str, token: str, turn: int, repeat: tuple[int, str] | None
     return Started(session, token, repeat[0], repeat[1], repeat=True)
 
 
-def _others(session: str, turn: int) -> list[str]:
-    """The session's keys other than its meta and this turn's input: a turn
-    start pushes back their expiry too, so no earlier turn expires first."""
-    skip = {keys.meta(session), keys.turn_input(session, turn)}
+def _others(session: str, turn: int, *named: str) -> list[str]:
+    """The session's keys (up to ``turn``) other than its meta and the ``named``
+    ones a script takes by name: a turn start pushes back their expiry too, so
+    no earlier turn expires first; a touch, all of them; a close deletes them."""
+    skip = {keys.meta(session), *named}
     return [k for k in keys.session_keys(session, turn) if k not in skip]
 
 

@@ -34,7 +34,8 @@ from wsinfer.sessions.schema import (
     engine_group_lag,
     pack,
 )
-from wsinfer.sessions.scripting import ScriptCall, load_scripts_once, run_scripts
+from wsinfer.sessions.scripting import ScriptCall, bound, load_scripts_once, run_scripts
+from wsinfer.sessions.scripts import ClaimCall, PublishCall, ReleaseCall, Reply
 from wsinfer.sessions.states import Action, allowed_from, target
 
 
@@ -156,7 +157,7 @@ class PendingPublish:
 
 @dataclass(frozen=True)
 class PublishResult:
-    outcome: str  # ok | fenced | not_found | illegal | gap
+    outcome: Reply  # ok | fenced | not_found | illegal | gap
     control: Control = Control.NONE
     seen_at: float = 0.0
 
@@ -242,19 +243,17 @@ class WorkerStore:
         took over meanwhile is left to it (its entry is no longer ours to ack)."""
         for item, epoch in turns:
             request = item.request
-            reply = self._release(
-                keys=[keys.meta(request.session)],
-                args=[
-                    self.engine_id,
-                    epoch,
-                    _csv(allowed_from(Action.RELEASE)),
-                    target(Action.RELEASE).value,
-                ],
+            call = ReleaseCall(
+                meta=keys.meta(request.session),
+                engine_id=self.engine_id,
+                epoch=epoch,
+                allowed_from=_csv(allowed_from(Action.RELEASE)),
+                target=target(Action.RELEASE).value,
             )
-            outcome = as_str(reply[0])
-            if outcome == "ok":
+            outcome = as_str(self._release(keys=call.keys(), args=call.args())[0])
+            if outcome == Reply.OK:
                 self.redis.xadd(keys.REQUESTS, encode(request), maxlen=keys.REQUESTS_MAXLEN)
-            if outcome != "fenced":
+            if outcome != Reply.FENCED:
                 self.ack(item)
 
     def read_work(self, count: int, block_ms: int | None) -> list[WorkItem]:
@@ -321,18 +320,16 @@ class WorkerStore:
     def claim(self, request: TurnRequest, *, takeover: bool) -> ClaimedTurn | None:
         """Take the turn; None if it is no longer ours to run (skip and ack)."""
         statuses = allowed_from(Action.CLAIM) if takeover else [allowed_from(Action.CLAIM)[0]]
-        reply = self._claim(
-            keys=[keys.meta(request.session)],
-            args=[
-                self.engine_id,
-                request.turn,
-                int(time.time()),
-                _csv(statuses),
-                target(Action.CLAIM).value,
-            ],
+        call = ClaimCall(
+            meta=keys.meta(request.session),
+            engine_id=self.engine_id,
+            turn=request.turn,
+            now=int(time.time()),
+            allowed_from=_csv(statuses),
+            target=target(Action.CLAIM).value,
         )
-        flat = [as_str(v) for v in reply]
-        if flat[0] != "ok":
+        flat = [as_str(v) for v in self._claim(keys=call.keys(), args=call.args())]
+        if flat[0] != Reply.OK:
             return None
         meta = SessionMeta.from_hash(dict(zip(flat[1::2], flat[2::2], strict=True)))
         control = Control.of(meta.control)
@@ -398,7 +395,9 @@ class WorkerStore:
             return []
         cluster = is_cluster(self.redis)
         groups = [[item] for item in publishes] if cluster else [publishes]
-        calls: list[ScriptCall] = [(self._publish, *self._publish_call(g, cluster)) for g in groups]
+        calls: list[ScriptCall] = [
+            bound(self._publish, self._publish_call(g, cluster)) for g in groups
+        ]
         results: list[PublishResult] = []
         for group, reply in zip(groups, run_scripts(self.redis, calls), strict=True):
             if isinstance(reply, Exception):
@@ -413,17 +412,23 @@ class WorkerStore:
         if not publishes or is_cluster(self.redis):
             return PendingPublish(self, publishes, self.publish_many(publishes))
         pending = PendingPublish(self, publishes)
-        pending.send(*self._publish_call(publishes, cluster=False))
+        call = self._publish_call(publishes, cluster=False)
+        pending.send(call.keys(), call.args())
         return pending
 
-    def _publish_call(self, group: list[Publish], cluster: bool) -> tuple[list[str], list[Any]]:
-        call_keys: list[str] = []
+    def _publish_call(self, group: list[Publish], cluster: bool) -> PublishCall:
+        turn_keys: list[str] = []
         for item in group:
-            call_keys += [keys.meta(item.session), keys.turn_stream(item.session, item.turn)]
+            turn_keys += [keys.meta(item.session), keys.turn_stream(item.session, item.turn)]
             if cluster:
-                call_keys.append(keys.session_wake(item.session))
-        turns = msgpack.packb([self._publish_turn(item) for item in group], use_bin_type=False)
-        return call_keys, [self.engine_id, self.ttl_s, "1" if cluster else "0", turns]
+                turn_keys.append(keys.session_wake(item.session))
+        return PublishCall(
+            turn_keys=turn_keys,
+            engine_id=self.engine_id,
+            fallback_ttl=self.ttl_s,
+            use_wake="1" if cluster else "0",
+            turns=[self._publish_turn(item) for item in group],
+        )
 
     def _publish_results(self, reply: bytes, count: int) -> list[PublishResult]:
         replies = msgpack.unpackb(reply, raw=False)
@@ -457,9 +462,9 @@ class WorkerStore:
 
     @staticmethod
     def _publish_result(reply: list[str]) -> PublishResult:
-        if reply[0] != "ok":
-            return PublishResult(reply[0])
-        return PublishResult("ok", Control.of(reply[1]), float(reply[2] or 0))
+        if reply[0] != Reply.OK:
+            return PublishResult(Reply(reply[0]))
+        return PublishResult(Reply.OK, Control.of(reply[1]), float(reply[2] or 0))
 
     def poll(self, sessions: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[Control, float]]:
         """Control flag and last-watched time of each turn; missing = session gone."""
