@@ -2,7 +2,9 @@
 
 Two families, as in h11: ``RequestError`` means the request itself was wrong
 (fix the call, retrying will not help), ``ServerError`` means the service could
-not do it right now (retrying later may). ``ConnectionLost`` is the client's
+not do it right now (retrying later may): which family a code belongs to, and
+whether it is ``retryable``, is ``contract.ERROR_CLASSES``'s to say (a class put
+in the other family fails when it is defined). ``ConnectionLost`` is the client's
 own: the connection dropped and could not be restored in time; it and
 ``ClientClosed`` carry the client-local codes of ``wsinfer.contract.ClientErrorCode``,
 which the browser client uses for the same situations.
@@ -13,13 +15,34 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from wsinfer.contract import ClientErrorCode, ErrorCode
+from wsinfer.contract import ERROR_CLASSES, ClientErrorCode, ErrorClass, ErrorCode, ErrorFault
+
+_CLASSES: dict[str, ErrorClass] = {code.value: kind for code, kind in ERROR_CLASSES.items()}
 
 
 class WsinferError(Exception):
     """Base of every error the client raises; ``code`` is the protocol code."""
 
     code = "error"
+    family: ErrorFault | None = None  # RequestError's and ServerError's
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = _CLASSES.get(cls.code)
+        if cls.family is not None and kind is not None and kind.fault is not cls.family:
+            raise TypeError(f"{cls.__name__}: {cls.code} is the {kind.fault.value}'s fault")
+
+    @property
+    def fault(self) -> ErrorFault | None:
+        """The request's or the service's, for a code the server sends (else None)."""
+        kind = _CLASSES.get(self.code)
+        return kind.fault if kind else None
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the same request, sent again later, may succeed."""
+        kind = _CLASSES.get(self.code)
+        return kind.retryable if kind else False
 
     def __init__(
         self,
@@ -42,6 +65,8 @@ class WsinferError(Exception):
 
 class RequestError(WsinferError):
     """The server refused the request as given; retrying it unchanged will not help."""
+
+    family = ErrorFault.REQUEST
 
 
 class BadRequest(RequestError):
@@ -67,6 +92,8 @@ class TooLarge(RequestError):
 class ServerError(WsinferError):
     """The service could not serve the request now; ``retry_after`` hints when to retry."""
 
+    family = ErrorFault.SERVICE
+
 
 class Overloaded(ServerError):
     code = ErrorCode.OVERLOADED.value
@@ -84,6 +111,10 @@ class ConnectionLost(WsinferError):
     """The connection dropped and reconnecting failed (or was disabled)."""
 
     code = ClientErrorCode.CONNECTION_LOST.value
+
+    @property
+    def retryable(self) -> bool:
+        return True  # the turn may still run: resume it once the server answers
 
 
 class ClientClosed(WsinferError):

@@ -53,6 +53,11 @@ def render() -> str:
         k.value: [a.value for a in v] for k, v in contract.CONTROL_ANSWERS.items()
     }
     parts.append(_frozen("CONTROL_ANSWERS", answers))
+    classes: dict[str, object] = {
+        code.value: {"fault": kind.fault.value, "retryable": kind.retryable}
+        for code, kind in contract.ERROR_CLASSES.items()
+    }
+    parts.append(_frozen("ERROR_CLASSES", classes))
     parts.append(f"export const IDEMPOTENCY_KEY_HEX = {contract.IDEMPOTENCY_KEY_HEX};\n")
     return "\n".join(parts)
 

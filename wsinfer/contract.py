@@ -53,16 +53,45 @@ class ErrorCode(str, Enum):
     """Codes of ``error`` messages and of ``done.error``, chosen where the
     error happens and carried across processes as they are."""
 
-    # The request was wrong: retrying it unchanged will not help.
+    # Whose fault each is, and whether a retry may help: ERROR_CLASSES below.
     BAD_REQUEST = "bad_request"
     UNAUTHORIZED = "unauthorized"
     NOT_FOUND = "not_found"
     CONFLICT = "conflict"
     TOO_LARGE = "too_large"
-    # The service could not serve it now: retrying later may.
     OVERLOADED = "overloaded"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     INTERNAL = "internal"
+
+
+class ErrorFault(str, Enum):
+    """Whose fault an error is: the request's (change it), or the service's."""
+
+    REQUEST = "request"
+    SERVICE = "service"
+
+
+@dataclass(frozen=True)
+class ErrorClass:
+    fault: ErrorFault
+    # Whether the same request, sent again later unchanged, may succeed.
+    retryable: bool
+
+
+# The one classification of the error codes (docs/protocol.md "Error codes"):
+# the server's exceptions (wsinfer/errors.py), the Python client's
+# (clients/errors.py) and the browser client's (contract.js) all derive theirs
+# from it, and a class that sits in another family fails at import.
+ERROR_CLASSES: dict[ErrorCode, ErrorClass] = {
+    ErrorCode.BAD_REQUEST: ErrorClass(ErrorFault.REQUEST, retryable=False),
+    ErrorCode.UNAUTHORIZED: ErrorClass(ErrorFault.REQUEST, retryable=False),
+    ErrorCode.NOT_FOUND: ErrorClass(ErrorFault.REQUEST, retryable=False),
+    ErrorCode.CONFLICT: ErrorClass(ErrorFault.REQUEST, retryable=False),
+    ErrorCode.TOO_LARGE: ErrorClass(ErrorFault.REQUEST, retryable=False),
+    ErrorCode.OVERLOADED: ErrorClass(ErrorFault.SERVICE, retryable=True),
+    ErrorCode.ENGINE_UNAVAILABLE: ErrorClass(ErrorFault.SERVICE, retryable=True),
+    ErrorCode.INTERNAL: ErrorClass(ErrorFault.SERVICE, retryable=True),
+}
 
 
 class ClientErrorCode(str, Enum):

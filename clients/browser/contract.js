@@ -64,4 +64,15 @@ export const CONTROL_ANSWERS = Object.freeze({
   resume: ["session"],
 });
 
+export const ERROR_CLASSES = Object.freeze({
+  bad_request: {"fault": "request", "retryable": false},
+  unauthorized: {"fault": "request", "retryable": false},
+  not_found: {"fault": "request", "retryable": false},
+  conflict: {"fault": "request", "retryable": false},
+  too_large: {"fault": "request", "retryable": false},
+  overloaded: {"fault": "service", "retryable": true},
+  engine_unavailable: {"fault": "service", "retryable": true},
+  internal: {"fault": "service", "retryable": true},
+});
+
 export const IDEMPOTENCY_KEY_HEX = 32;

@@ -141,6 +141,10 @@ export declare class WsinferError extends Error {
   );
   readonly name: "WsinferError";
   code: ErrorCode;
+  /** "request" or "service" for a code the server sends (docs/protocol.md "Error codes"), else null. */
+  readonly fault: "request" | "service" | null;
+  /** Whether the same request, sent again later, may succeed. */
+  readonly retryable: boolean;
   /** Seconds to wait before retrying (overloaded), both spellings. */
   retryAfter: number | null;
   retry_after: number | null;

@@ -26,6 +26,7 @@
 import {
   ClientErrorCode,
   ClientMessageType as Send,
+  ERROR_CLASSES,
   ErrorCode,
   FinishReason,
   IDEMPOTENCY_KEY_HEX,
@@ -50,6 +51,19 @@ export class WsinferError extends Error {
     this.retry_after = retryAfter;
     this.session = session;
     this.id = id;
+  }
+
+  /** "request" or "service" for a code the server sends, else null
+   * (docs/protocol.md "Error codes", the same table as the Python client's). */
+  get fault() {
+    return ERROR_CLASSES[this.code]?.fault ?? null;
+  }
+
+  /** Whether the same request, sent again later, may succeed (a lost
+   * connection may: the turn may still run). */
+  get retryable() {
+    if (this.code === ClientErrorCode.CONNECTION_LOST) return true;
+    return ERROR_CLASSES[this.code]?.retryable ?? false;
   }
 
   static fromMessage(msg) {

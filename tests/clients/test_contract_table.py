@@ -3,9 +3,14 @@ client (nor the chat page, nor the docs) uses a code or type outside it."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import subprocess
 from enum import Enum
 from pathlib import Path
+
+import pytest
 
 from wsinfer import contract
 from wsinfer.clients import errors, gen_contract
@@ -85,3 +90,38 @@ def test_docs_list_the_client_codes() -> None:
     assert set(re.findall(r"^\| `([a-z_]+)` \|", section, re.MULTILINE)) == _values(
         contract.ClientErrorCode
     )
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node not installed")
+def test_the_browser_clients_errors_classify_as_the_pythons() -> None:
+    # Every code the server sends, the clients' own and an unknown one, through
+    # the browser client's WsinferError (under node) and the Python client's.
+    codes = [*_values(contract.ErrorCode), *_values(contract.ClientErrorCode), "from_a_newer_one"]
+    script = (
+        f"import {{ WsinferError }} from {json.dumps(str(BROWSER / 'wsinfer.js'))};\n"
+        f"const codes = {json.dumps(codes)};\n"
+        "const out = {};\n"
+        "for (const c of codes) { const e = new WsinferError(c, 'x');"
+        " out[c] = [e.fault, e.retryable]; }\n"
+        "console.log(JSON.stringify(out));\n"
+    )
+    done = subprocess.run(
+        ["node", "--input-type=module", "-e", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    python_side = {
+        code: [
+            None if (e := _client_error(code)).fault is None else e.fault.value,
+            e.retryable,
+        ]
+        for code in codes
+    }
+    assert json.loads(done.stdout) == python_side
+
+
+def _client_error(code: str) -> errors.WsinferError:
+    own = {
+        errors.ConnectionLost.code: errors.ConnectionLost,
+        errors.ClientClosed.code: errors.ClientClosed,
+    }
+    return own[code]() if code in own else errors.error_from_wire({"code": code})

@@ -86,3 +86,13 @@ def test_a_session_message_never_says_new() -> None:
         session_message("s", "t", 1, contract.TurnStatus.NEW, None)
     for status in set(contract.TurnStatus) - {contract.TurnStatus.NEW}:
         assert session_message("s", "t", 1, status, None)["status"] == status.value
+
+
+def test_the_error_classes_are_the_docs_table() -> None:
+    section = DOC.split("## Error codes", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \| (request|service) \| (yes|no) \|", section, re.M)
+    documented = {code: (fault, retry == "yes") for code, fault, retry in rows}
+    assert documented == {
+        code.value: (kind.fault.value, kind.retryable)
+        for code, kind in contract.ERROR_CLASSES.items()
+    }
