@@ -7,9 +7,10 @@ chosen at run time from the CPU's flags, so that a cache or an image built on on
 x86 machine runs fast on another. ``wsinfer prepare`` builds them at install time;
 a start builds only where no built variant fits this CPU, and says so first.
 
-A library is named by what decides its bits and its ABI: the sources' content,
-torch's version, Python's extension ABI, the compiler flags and the compiler's
-version; never a path, so checkouts and venvs sharing one cache share its builds.
+A library is named by what decides its bits and its ABI: the sources' content
+(the header they share, ``native.h``, included), torch's version, Python's extension
+ABI, the compiler flags and the compiler's version; never a path, so checkouts and
+venvs sharing one cache share its builds.
 A build runs in a private directory (sources copied in) and its library is renamed
 into place whole; builders take turns on an ``flock`` that the kernel releases when
 its holder dies, so a build killed at any moment leaves nothing a later start
@@ -41,11 +42,18 @@ import structlog
 log = structlog.get_logger("wsinfer.engine.native")
 
 HERE = Path(__file__).parent
+# Every file a build reads: the four it compiles, then the header they all include.
 # The bindings and the layer stack first: that file includes pybind11 and torch's
 # casters and takes longest, so a parallel build starts it first.
 SOURCES = tuple(
     HERE / name
-    for name in ("native_layers.cpp", "native_quant.cpp", "native_cpu.cpp", "native_sampling.cpp")
+    for name in (
+        "native_layers.cpp",
+        "native_quant.cpp",
+        "native_cpu.cpp",
+        "native_sampling.cpp",
+        "native.h",
+    )
 )
 # -fopenmp: at::parallel_for is inline; without it the kernels run on one thread
 # (the OpenMP runtime is torch's own, already loaded). -fno-trapping-math: GCC
@@ -164,9 +172,14 @@ def compiler_identity() -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def compiled(sources: Sequence[Path]) -> list[Path]:
+    """The files of ``sources`` a build compiles (the rest are headers they include)."""
+    return [path for path in sources if path.suffix == ".cpp"]
+
+
 def library_stem(variant: Variant, sources: Sequence[Path] = SOURCES) -> str:
-    """The name a variant's library shares whatever compiled it: sources, torch,
-    Python's ABI, flags. Also the prefix of the module's name."""
+    """The name a variant's library shares whatever compiled it: sources and headers,
+    torch, Python's ABI, flags. Also the prefix of the module's name."""
     import torch
 
     digest = hashlib.sha256()
@@ -214,7 +227,7 @@ def _jobs() -> int:
         cores = len(os.sched_getaffinity(0))  # a container's or taskset's share
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, min(cores, len(SOURCES)))
+    return max(1, min(cores, len(compiled(SOURCES))))
 
 
 def build(
@@ -308,8 +321,8 @@ def _kill_compilers_in(scratch: Path) -> None:
 
 
 def _compile(scratch: Path, name: str, variant: Variant, sources: Sequence[Path]) -> Path:
-    """Compile ``sources`` (copied into ``scratch``: the commands name no checkout)
-    in parallel, then link ``scratch/name.so``."""
+    """Compile ``sources`` (copied into ``scratch``, headers too: the commands name no
+    checkout) in parallel, then link ``scratch/name.so``."""
     from torch.utils import cpp_extension
 
     for path in sources:
@@ -318,10 +331,11 @@ def _compile(scratch: Path, name: str, variant: Variant, sources: Sequence[Path]
     includes = [*cpp_extension.include_paths("cpu"), python_include]
     flags = [*COMMON_FLAGS, *variant.flags, f"-DTORCH_EXTENSION_NAME={name}"]
     flags += [f"-isystem{include}" for include in includes]
-    commands = [[compiler(), *flags, "-c", path.name, "-o", f"{path.stem}.o"] for path in sources]
+    units = compiled(sources)
+    commands = [[compiler(), *flags, "-c", path.name, "-o", f"{path.stem}.o"] for path in units]
     _run_all(commands, scratch, _jobs())
     library = scratch / f"{name}.so"
-    link = [compiler(), "-shared", *(f"{path.stem}.o" for path in sources), "-o", library.name]
+    link = [compiler(), "-shared", *(f"{path.stem}.o" for path in units), "-o", library.name]
     link += [f"-L{cpp_extension.TORCH_LIB_PATH}", "-lc10", "-ltorch_cpu", "-ltorch"]
     _run_all([[*link, "-ltorch_python"]], scratch, 1)
     return library

@@ -9,14 +9,13 @@
 // A row computes the same bits alone or in any batch, and a prompt's prefill
 // the very KV its decode steps wrote. Reductions run in LANES partial sums
 // (which the compiler turns into vector registers without reordering them),
-// then a fixed tree.
+// then native.h's fold.
 //
 // Float32 tensors only; inputs of any layout, caches and weights contiguous.
 
-// ATen's tensor and parallel_for, not <torch/extension.h>: that header (torch's
-// C++ API, pybind11, Python) took ~60 s of each file's compile; this pair ~6 s.
+#include "native.h"
+
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,13 +26,14 @@
 
 namespace {
 
-constexpr int64_t LANES = 16;
+using wsinfer::fold;
+using wsinfer::Lanes;
+using wsinfer::LANES;
 
-inline float fold_lanes(float* acc) {
-  for (int64_t width = LANES / 2; width > 0; width /= 2) {
-    for (int64_t j = 0; j < width; ++j) acc[j] += acc[j + width];
-  }
-  return acc[0];
+Lanes load_lanes(const float* x, int64_t count) {
+  Lanes v = {};
+  std::memcpy(&v, x, count * sizeof(float));
+  return v;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -43,7 +43,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
     for (int64_t j = 0; j < LANES; ++j) acc[j] += a[i + j] * b[i + j];
   }
   for (int64_t j = 0; i + j < n; ++j) acc[j] += a[i + j] * b[i + j];
-  return fold_lanes(acc);
+  return fold(load_lanes(acc, LANES));
 }
 
 inline float sum(const float* a, int64_t n) {
@@ -53,7 +53,7 @@ inline float sum(const float* a, int64_t n) {
     for (int64_t j = 0; j < LANES; ++j) acc[j] += a[i + j];
   }
   for (int64_t j = 0; i + j < n; ++j) acc[j] += a[i + j];
-  return fold_lanes(acc);
+  return fold(load_lanes(acc, LANES));
 }
 
 // exp(x) to about 2 ulp, in plain float arithmetic the compiler can vectorize
@@ -223,7 +223,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 // negative position sees nothing and gets zeros. q [N, Hq, D] -> [N, Hq, D].
 //
 // A query's score for a key is dot()'s arithmetic: dim d's product added to lane
-// d % 16 in index order, then the lanes folded in fold_lanes' fixed tree; its
+// d % 16 in index order, then the lanes folded in native.h's fold; its
 // softmax and the weighted sum of values run over its keys in index order. A
 // query alone (a decode step) reads each key row in place, its 16 lanes one
 // register. Up to QUERY_TILE consecutive tokens of one row (a prefill) share each
@@ -234,37 +234,21 @@ namespace {
 constexpr int64_t QUERY_TILE = 16;
 constexpr int64_t KEY_BLOCK = 16;
 static_assert(KEY_BLOCK == LANES, "a transposed block's lanes are dot()'s lanes");
-typedef float KeyLanes __attribute__((vector_size(KEY_BLOCK * sizeof(float))));
 typedef int32_t LaneIndex __attribute__((vector_size(KEY_BLOCK * sizeof(int32_t))));
-
-KeyLanes load_lanes(const float* x, int64_t count) {
-  KeyLanes v = {};
-  std::memcpy(&v, x, count * sizeof(float));
-  return v;
-}
-
-// fold_lanes' tree in one register: lane j += lane j + 8, then + 4, + 2, + 1.
-inline float fold_register(KeyLanes v) {
-  v += __builtin_shuffle(v, LaneIndex{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
-  v += __builtin_shuffle(v, LaneIndex{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, LaneIndex{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
-  v += __builtin_shuffle(v, LaneIndex{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
-  return v[0];
-}
 
 // The score of a query head against one key row, in place: lane j sums dims j,
 // j + 16, ... (a short last chunk adds to its first lanes only).
 inline float score_in_place(const float* q, const float* k, int64_t dim, float scale) {
-  KeyLanes acc = {};
+  Lanes acc = {};
   int64_t i = 0;
   for (; i + LANES <= dim; i += LANES) acc += load_lanes(q + i, LANES) * load_lanes(k + i, LANES);
   if (i < dim) {
     const int64_t rest = dim - i;
-    const KeyLanes summed = acc + load_lanes(q + i, rest) * load_lanes(k + i, rest);
+    const Lanes summed = acc + load_lanes(q + i, rest) * load_lanes(k + i, rest);
     const LaneIndex lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     acc = lane < static_cast<int32_t>(rest) ? summed : acc;
   }
-  return fold_register(acc) * scale;
+  return fold(acc) * scale;
 }
 
 // The scores of U query heads (heads[0..U), each at q + offset(head)) for one
@@ -280,20 +264,20 @@ struct BlockScores {
   int64_t dim;
 
   // Lane j: the products of dims j, j + 16, ... in order.
-  void lane(int64_t j, KeyLanes* out) const {
-    for (int u = 0; u < U; ++u) out[u] = KeyLanes{};
+  void lane(int64_t j, Lanes* out) const {
+    for (int u = 0; u < U; ++u) out[u] = Lanes{};
     for (int64_t d = j; d < dim; d += LANES) {
-      const KeyLanes row = load_lanes(keys_t + d * KEY_BLOCK, KEY_BLOCK);
+      const Lanes row = load_lanes(keys_t + d * KEY_BLOCK, KEY_BLOCK);
       for (int u = 0; u < U; ++u) out[u] += query[u][d] * row;
     }
   }
 
   template <int J, int W>
-  void node(KeyLanes* out) const {
+  void node(Lanes* out) const {
     if constexpr (W == LANES) {
       lane(J, out);
     } else {
-      KeyLanes right[U];
+      Lanes right[U];
       node<J, 2 * W>(out);
       node<J + W, 2 * W>(right);
       for (int u = 0; u < U; ++u) out[u] += right[u];
@@ -307,11 +291,11 @@ inline void score_block(const float* q, const int64_t* heads, const Offset& offs
                         int64_t stride) {
   BlockScores<U> block{{}, keys_t, dim};
   for (int u = 0; u < U; ++u) block.query[u] = q + offset(heads[u]);
-  KeyLanes sums[U];
+  Lanes sums[U];
   block.template node<0, 1>(sums);
   for (int u = 0; u < U; ++u) {
     sums[u] *= scale;
-    std::memcpy(scores + heads[u] * stride, &sums[u], sizeof(KeyLanes));
+    std::memcpy(scores + heads[u] * stride, &sums[u], sizeof(Lanes));
   }
 }
 
@@ -322,11 +306,11 @@ inline void weighted_values(const float* p, int64_t seen, const float* const* va
                             int64_t dim, float* out) {
   int64_t d0 = 0;
   for (; d0 + 4 * KEY_BLOCK <= dim; d0 += 4 * KEY_BLOCK) {
-    KeyLanes a[4] = {};
+    Lanes a[4] = {};
     for (int64_t key = 0; key < seen; ++key) {
       const float* v = values[key] + d0;
       for (int u = 0; u < 4; ++u) {
-        KeyLanes row;
+        Lanes row;
         std::memcpy(&row, v + u * KEY_BLOCK, sizeof(row));
         a[u] += p[key] * row;
       }
@@ -334,9 +318,9 @@ inline void weighted_values(const float* p, int64_t seen, const float* const* va
     std::memcpy(out + d0, a, sizeof(a));
   }
   for (; d0 + KEY_BLOCK <= dim; d0 += KEY_BLOCK) {
-    KeyLanes a = {};
+    Lanes a = {};
     for (int64_t key = 0; key < seen; ++key) {
-      KeyLanes row;
+      Lanes row;
       std::memcpy(&row, values[key] + d0, sizeof(row));
       a += p[key] * row;
     }

@@ -10,32 +10,14 @@
 // and the rotary tables; each forward takes the step's tokens and where their
 // keys and values go.
 
+#include "native.h"
+
 // pybind11 and its casters of tensors (not all of <torch/extension.h>: ~25 s a
 // compile instead of ~65): the one source that binds, so the one that pays for it.
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
 #include <vector>
-
-// engine/native_cpu.cpp
-std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                     const at::Tensor& weight, double eps);
-at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
-                      const at::Tensor& sin, const at::Tensor& slots, at::Tensor k_cache,
-                      at::Tensor v_cache, int64_t q_heads);
-at::Tensor silu_mul(const at::Tensor& gate_up);
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& rows, const at::Tensor& query_pos, double scale);
-// engine/native_quant.cpp
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed);
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed);
-at::Tensor pack_q4_1(const at::Tensor& raw);
-at::Tensor pack_q8_0(const at::Tensor& raw);
-// engine/native_sampling.cpp
-c10::optional<at::Tensor> seeded_race(const at::Tensor& logits, const at::Tensor& temperature,
-                                      const at::Tensor& seed, const at::Tensor& index,
-                                      double noise_low);
 
 namespace {
 

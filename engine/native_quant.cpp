@@ -21,10 +21,9 @@
 // pack time (pack_q8_0). A packed row is the file's row, re-ordered: per group,
 // the weights, then the blocks' fp16 scales (Q4_1: the G d's, then the G m's).
 
-// ATen's tensor and parallel_for, not <torch/extension.h>: that header (torch's
-// C++ API, pybind11, Python) took ~60 s of each file's compile; this pair ~6 s.
+#include "native.h"
+
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -39,7 +38,9 @@
 
 namespace {
 
-typedef float F32x16 __attribute__((vector_size(64)));
+using wsinfer::fold;
+// A row's 16 float lanes (four a block of a group), as I32x16's integer ones.
+typedef wsinfer::Lanes F32x16;
 typedef int32_t I32x16 __attribute__((vector_size(64)));
 typedef uint8_t U8x64 __attribute__((vector_size(64)));
 typedef int8_t I8x64 __attribute__((vector_size(64)));
@@ -115,24 +116,6 @@ inline void move_sign(I8x64 w, I8x64 s, U8x64* magnitude, I8x64* signed_s) {
   *magnitude = (U8x64)(w < zero ? -w : w);  // -(-128) wraps to 128 as unsigned: right
   *signed_s = w < zero ? -s : s;
 #endif
-}
-
-typedef float F32x8 __attribute__((vector_size(32)));
-typedef float F32x4 __attribute__((vector_size(16)));
-
-// The sum of the 16 lanes: the upper half added onto the lower, four times (in
-// registers; the same order as a loop of lanes[j] += lanes[j + width]).
-inline float fold(F32x16 v) {
-  F32x8 lo8, hi8;
-  std::memcpy(&lo8, &v, 32);
-  std::memcpy(&hi8, reinterpret_cast<const char*>(&v) + 32, 32);
-  const F32x8 v8 = lo8 + hi8;
-  F32x4 lo4, hi4;
-  std::memcpy(&lo4, &v8, 16);
-  std::memcpy(&hi4, reinterpret_cast<const char*>(&v8) + 16, 16);
-  const F32x4 v4 = lo4 + hi4;
-  const float a = v4[0] + v4[2], b = v4[1] + v4[3];
-  return a + b;
 }
 
 // A group's fp16 d's (or m's), each on the four lanes of its block: `count` of them

@@ -12,10 +12,9 @@
 // torch race's token; only a tie to the last bit between two candidates' scores
 // could come out otherwise where torch's vectorized log rounds differently.
 
-// ATen's tensor and parallel_for, not <torch/extension.h>: that header (torch's
-// C++ API, pybind11, Python) took ~60 s of each file's compile; this pair ~6 s.
+#include "native.h"
+
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <cstdint>
@@ -44,7 +43,7 @@ float token_noise(uint64_t key, int64_t token) {
   return std::log(-std::log(uniform));
 }
 
-constexpr int64_t LANES = 16;
+using wsinfer::LANES;
 
 // The row's largest logit (NaN if it holds one), lanes then a fold.
 float row_max(const float* x, int64_t n) {

@@ -5,6 +5,8 @@ next one. The tests that compile are slow (~30-60 s a build on two cores)."""
 
 from __future__ import annotations
 
+import ast
+import fnmatch
 import os
 import random
 import shutil
@@ -87,6 +89,24 @@ def test_a_librarys_name_is_its_content_not_its_checkouts_path(tmp_path: Path) -
     )
     two[1].write_text(two[1].read_text() + "\n// changed\n")
     assert native_build.library_stem(avx2, one) != native_build.library_stem(avx2, two)
+
+
+def test_the_shared_header_is_part_of_a_librarys_name_and_of_the_package(tmp_path: Path) -> None:
+    """A change to native.h alone rebuilds (every source includes it), and the wheel
+    ships it beside the sources (``wsinfer prepare`` compiles them where installed)."""
+    one, two = _copy_sources(tmp_path / "one"), _copy_sources(tmp_path / "two")
+    header = next(path for path in two if path.name == "native.h")
+    assert [path.name for path in native_build.compiled(two)] == [
+        path.name for path in two if path.suffix == ".cpp"
+    ]
+    header.write_text(header.read_text() + "\n// changed\n")
+    avx2 = X86_VARIANTS[2]
+    assert native_build.library_stem(avx2, one) != native_build.library_stem(avx2, two)
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text().splitlines()
+    line = next(line for line in pyproject if line.startswith('"wsinfer.engine" = ['))
+    shipped = ast.literal_eval(line.partition("=")[2].strip())  # package-data's patterns
+    for path in SOURCES:
+        assert any(fnmatch.fnmatch(path.name, pattern) for pattern in shipped), path.name
 
 
 def _hold_lock(directory: Path) -> subprocess.Popen[str]:
