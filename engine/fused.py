@@ -1,4 +1,5 @@
-"""The forward pass through the fused kernels of ``engine/fused_triton.py``.
+"""The fused forward: one layer program, run with Triton's kernels on CUDA
+(``engine/fused_triton.py``) or the C++ ones on the CPU (``engine/native.py``).
 
 A decode step of the torch forward launches some twenty kernels per layer for the
 norms, the rotary and the MLP's gate alone; at a few rows each costs its launch,
@@ -6,45 +7,100 @@ not its arithmetic. Here a layer is its four matmuls, attention, and four fused
 kernels: rotary + KV-cache write, add + RMSNorm (twice), SiLU * mul. Each
 residual add rides with the norm that follows it, the last with the final norm.
 
-Only on CUDA, with Triton (``on_fused_path``): the CPU keeps the torch forward
-bit for bit. Only for the plain pre-norm decoder with a full rotary and SiLU
-(``covers``: Llama, SmolLM2, Mistral, Qwen2, Phi-3 without partial rotary); the
-rest (Gemma's offset norms scaled in fp32, OLMo-2's output norms, q/k norms,
-partial rotary, GELU) keep the torch forward on every device, which is also the
-kernels' test oracle.
+Which ``Kernels`` a model runs is chosen once, when it is built
+(``llama.kernels_for``): Triton's for a CUDA model with Triton (``on_fused_path``),
+the C++ ones for a float32 CPU model where they build, otherwise none, and the
+model keeps the torch forward bit for bit. Only the plain pre-norm decoder with a
+full rotary and SiLU (``llama.covers``: Llama, SmolLM2, Mistral, Qwen2, Phi-3
+without partial rotary) gets any; the rest (Gemma's offset norms scaled in fp32,
+OLMo-2's output norms, q/k norms, partial rotary, GELU) keep the torch forward on
+every device, which is also the kernels' test oracle.
+
+This module reads the model and its attention context through the protocols
+below, so that it imports neither ``llama`` (which builds models and picks their
+kernels) nor ``native`` (whose kernels run this program).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from .attention import triton_available
 
-if TYPE_CHECKING:
-    from .llama import CachedAttention, FastLlama
+
+class AttentionContext(Protocol):
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Store ``k``/``v`` [N, Hkv, D] in the cache; attention output for ``q`` [N, Hq, D]."""
+        ...
 
 
-def on_fused_path(x: torch.Tensor) -> bool:
-    """Whether ``x``'s forward takes the fused kernels: CUDA tensors, with Triton."""
-    return x.is_cuda and triton_available()
+class KVPoolLayers(Protocol):
+    k: torch.Tensor  # [layers, blocks, block_size, kv_heads, head_dim]
+    v: torch.Tensor
 
 
-def covers(model: FastLlama) -> bool:
-    """Whether the fused forward computes ``model``'s family exactly as the torch one."""
-    family = model.family
-    return (
-        family.norms == "pre"
-        and family.qk_norm is None
-        and not family.norm_offset
-        and not family.norm_scale_fp32
-        and model.embed_scale is None
-        and model.activation is F.silu
-        and all(cos.shape[-1] == model.head_dim for cos, _ in model.tables)
-        and model.head_dim & (model.head_dim - 1) == 0
-    )
+@runtime_checkable
+class CachedAttention(AttentionContext, Protocol):
+    """An attention context that lets the caller store k/v itself (the fused rotary
+    kernel writes them straight into ``pool`` at ``slots``), then attends."""
+
+    pool: KVPoolLayers
+    slots: torch.Tensor  # [N] flat slot of each token
+    # Where the native kernel attends (block tables, each token's row, its position);
+    # None off the native path.
+    kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention output for ``q`` [N, Hq, D] over the cache, k/v already stored."""
+        ...
+
+
+class ProgramLayer(Protocol):
+    """What the layer program reads of a layer (``llama.LayerWeights``)."""
+
+    @property
+    def qkv(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+    @property
+    def o(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+    @property
+    def gate_up(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+    @property
+    def down(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+    @property
+    def norm_attn_in(self) -> torch.Tensor | None: ...
+    @property
+    def norm_mlp_in(self) -> torch.Tensor | None: ...
+
+
+class ProgramModel(Protocol):
+    """What the fused forward reads of a model (``llama.FastLlama``)."""
+
+    @property
+    def layers(self) -> Sequence[ProgramLayer]: ...
+    @property
+    def embed(self) -> torch.Tensor: ...
+    @property
+    def norm(self) -> torch.Tensor: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def tables(self) -> Sequence[tuple[torch.Tensor, torch.Tensor]]: ...
+    @property
+    def rope_of_layer(self) -> Sequence[int]: ...
+    @property
+    def layer_stack(self) -> Any:
+        """The C++ layer stack over the layers (``quant.layer_stack``), or None."""
+        ...
 
 
 class LayerKernels(Protocol):
@@ -76,8 +132,37 @@ class LayerKernels(Protocol):
         ...
 
 
+class Kernels(Protocol):
+    """A model's fused forward, chosen when the model is built and held by it
+    (``FastLlama.kernels``)."""
+
+    name: str  # "triton", "native"
+
+    def serves(self, attention: AttentionContext) -> TypeGuard[CachedAttention]:
+        """Whether this step's attention context can run beside the fused forward
+        (else the step takes the torch forward)."""
+        ...
+
+    def forward(
+        self,
+        model: ProgramModel,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: CachedAttention,
+    ) -> torch.Tensor:
+        """``FastLlama.forward``: the final hidden states [N, hidden]."""
+        ...
+
+
+def on_fused_path(x: torch.Tensor) -> bool:
+    """Whether a model whose tensors are like ``x`` runs Triton's kernels: CUDA, with Triton."""
+    return x.is_cuda and triton_available()
+
+
 class TritonKernels:
-    """``LayerKernels`` of ``engine/fused_triton.py``."""
+    """``Kernels`` and ``LayerKernels`` of ``engine/fused_triton.py``."""
+
+    name = "triton"
 
     def __init__(self) -> None:
         from .fused_triton import add_rms_norm_triton, rope_cache_triton, silu_mul_triton
@@ -86,23 +171,33 @@ class TritonKernels:
         self.rope_cache = rope_cache_triton
         self.silu_mul = silu_mul_triton
 
+    def serves(self, attention: AttentionContext) -> TypeGuard[CachedAttention]:
+        return isinstance(attention, CachedAttention)
 
-def fused_forward(
-    model: FastLlama, input_ids: torch.Tensor, positions: torch.Tensor, attention: CachedAttention
-) -> torch.Tensor:
-    """``FastLlama.forward`` of a model ``covers`` accepts, through the fused kernels."""
-    return layer_program(model, input_ids, positions, attention, TritonKernels())
+    def forward(
+        self,
+        model: ProgramModel,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: CachedAttention,
+    ) -> torch.Tensor:
+        return layer_program(model, input_ids, positions, attention, self)
+
+
+def triton_kernels(x: torch.Tensor) -> TritonKernels | None:
+    """Triton's ``Kernels`` for a model whose tensors are like ``x``, where they run."""
+    return TritonKernels() if on_fused_path(x) else None
 
 
 def layer_program(
-    model: FastLlama,
+    model: ProgramModel,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     attention: CachedAttention,
     kernels: LayerKernels,
 ) -> torch.Tensor:
-    """The forward of a model ``covers`` accepts: per layer four matmuls, attention,
-    and ``kernels``' rotary + KV write, two add + RMSNorms and SiLU * mul."""
+    """The forward of a model ``llama.covers`` accepts: per layer four matmuls,
+    attention, and ``kernels``' rotary + KV write, two add + RMSNorms and SiLU * mul."""
     layers, eps = model.layers, model.eps
     x = F.embedding(input_ids, model.embed)
     n, q_size = x.shape[0], model.num_heads * model.head_dim

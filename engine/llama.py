@@ -11,10 +11,11 @@ OLMo-2, Phi-3, Gemma 2/3). Weights are shared with the transformers model, not c
 and gate/up are fused into one matrix each and the model's own parameters are
 re-pointed at views of the fused ones.
 
-The plain pre-norm families run through fused kernels instead
-(``engine/fused.py``): Triton's on CUDA, C++ ones on the CPU (``engine/native.py``,
-where they build). This torch forward is the other families', the CPU's without
-a compiler, and those kernels' reference.
+The plain pre-norm families (``covers``) run through fused kernels instead
+(``engine/fused.py``), chosen once when the model is built (``kernels_for``):
+Triton's on CUDA, C++ ones on the CPU (``engine/native.py``, where they build).
+This torch forward is the other families', the CPU's without a compiler, and
+those kernels' reference.
 """
 
 from __future__ import annotations
@@ -22,47 +23,18 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .attention import soft_cap
 from .families import FAMILIES, Family, UnsupportedModel, activation_of, family_of
-from .fused import covers, fused_forward, on_fused_path
-from .native import native_forward, on_native_path
+from .fused import AttentionContext, Kernels, triton_kernels
+from .native import native_kernels
 
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 __all__ = ["FastLlama", "SUPPORTED_MODEL_TYPES", "UnsupportedModel", "fast_model_for"]
-
-
-class AttentionContext(Protocol):
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """Store ``k``/``v`` [N, Hkv, D] in the cache; attention output for ``q`` [N, Hq, D]."""
-        ...
-
-
-class KVPoolLayers(Protocol):
-    k: torch.Tensor  # [layers, blocks, block_size, kv_heads, head_dim]
-    v: torch.Tensor
-
-
-@runtime_checkable
-class CachedAttention(AttentionContext, Protocol):
-    """An attention context that lets the caller store k/v itself (the fused rotary
-    kernel writes them straight into ``pool`` at ``slots``), then attends."""
-
-    pool: KVPoolLayers
-    slots: torch.Tensor  # [N] flat slot of each token
-    # Where the native kernel attends (block tables, each token's row, its position);
-    # None off the native path.
-    kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention output for ``q`` [N, Hq, D] over the cache, k/v already stored."""
-        ...
 
 
 class Linear:
@@ -230,10 +202,30 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([turned * cos + rotate_half(turned) * sin, x[..., dim:]], dim=-1)
 
 
-def attention_is_native(attention: CachedAttention) -> bool:
-    """Whether ``attention`` attends through the native kernel: the native forward
-    runs only beside it, so that the whole CPU forward is one or the other."""
-    return getattr(attention, "kernel_rows", None) is not None
+def covers(model: FastLlama) -> bool:
+    """Whether the fused forward (``engine/fused.py``) computes ``model``'s family
+    exactly as the torch one."""
+    family = model.family
+    return (
+        family.norms == "pre"
+        and family.qk_norm is None
+        and not family.norm_offset
+        and not family.norm_scale_fp32
+        and model.embed_scale is None
+        and model.activation is F.silu
+        and all(cos.shape[-1] == model.head_dim for cos, _ in model.tables)
+        and model.head_dim & (model.head_dim - 1) == 0
+    )
+
+
+def kernels_for(model: FastLlama) -> Kernels | None:
+    """The fused forward's kernels for ``model``, chosen once, when it is built:
+    Triton's for a CUDA model, the C++ ones for a float32 CPU model where they build;
+    None (the torch forward) elsewhere and for the families ``covers`` leaves out."""
+    if not model.fusable:
+        return None
+    triton = triton_kernels(model.embed)
+    return triton if triton is not None else native_kernels(model.embed)
 
 
 class FastLlama:
@@ -281,21 +273,21 @@ class FastLlama:
             inner, config, max_positions, self.dtype, self.device
         )
         self.cos, self.sin = self.tables[0]
-        # Whether CUDA tensors may take the fused kernels (engine/fused.py).
+        # Whether the fused kernels compute this family (engine/fused.py).
         self.fusable = covers(self)
         # The C++ layer stack (engine/native_layers.cpp) the quantized CPU core builds
         # when every linear layer multiplies GGUF blocks; the native forward runs it.
         self.layer_stack: Any = None
+        # The fused forward's kernels, chosen here once (None: the torch forward).
+        self.kernels: Kernels | None = kernels_for(self)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionContext
     ) -> torch.Tensor:
         """Final hidden states [N, hidden] of the flattened tokens."""
-        if self.fusable and isinstance(attention, CachedAttention):
-            if on_fused_path(self.embed):
-                return fused_forward(self, input_ids, positions, attention)
-            if on_native_path(self.embed) and attention_is_native(attention):
-                return native_forward(self, input_ids, positions, attention)
+        kernels = self.kernels
+        if kernels is not None and kernels.serves(attention):
+            return kernels.forward(self, input_ids, positions, attention)
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -371,11 +363,21 @@ def _rope_tables(
 
 
 def fast_model_for(loaded_model: Any, max_positions: int, transposed: bool) -> FastLlama:
-    """The ``FastLlama`` over ``loaded_model`` (built once: it re-points the model's weights)."""
+    """The ``FastLlama`` over ``loaded_model`` (built once: it re-points the model's
+    weights; again only where the kernels it would choose now differ, as where a
+    test turns the native ones off or on)."""
     cached = getattr(loaded_model, "_wsinfer_fast", None)
-    if cached is not None and cached.cos.shape[0] >= max_positions:
+    if (
+        cached is not None
+        and cached.cos.shape[0] >= max_positions
+        and _kernels_name(cached.kernels) == _kernels_name(kernels_for(cached))
+    ):
         return cached  # type: ignore[no-any-return]
     with torch.inference_mode():
         fast = FastLlama(loaded_model, max_positions, transposed)
     loaded_model._wsinfer_fast = fast
     return fast
+
+
+def _kernels_name(kernels: Kernels | None) -> str:
+    return "torch" if kernels is None else kernels.name

@@ -6,10 +6,11 @@ microseconds of bookkeeping, not its arithmetic (``benchmarks/profile_step.py``:
 RMSNorm alone 26 us a call through ``F.rms_norm``). Here a layer is its four
 matmuls and four calls: add + RMSNorm (twice), rotary + KV write, SiLU * mul, and
 attention over the paged cache, as the GPU's fused kernels do
-(``engine/fused.py`` runs the same layer program with either set). Where every
-linear layer multiplies GGUF blocks (the quantized default), the whole layer
-program is one C++ call (``native_layers.cpp``): the same kernels in the same
-order, without the interpreter between them.
+(``engine/fused.py`` runs the same layer program with either set; a float32 CPU
+model gets this one, ``NativeKernels``, when it is built). Where every linear
+layer multiplies GGUF blocks (the quantized default), the whole layer program is
+one C++ call (``native_layers.cpp``): the same kernels in the same order, without
+the interpreter between them.
 
 A token's results depend on nothing but its own inputs, summed in an order the
 C++ fixes: a row is the same bits alone or batched, and a prefill recomputes the
@@ -30,13 +31,13 @@ from __future__ import annotations
 import functools
 import os
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TypeGuard
 
 import structlog
 import torch
+import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .llama import CachedAttention, FastLlama
+from .fused import AttentionContext, CachedAttention, ProgramModel, layer_program
 
 log = structlog.get_logger("wsinfer.engine.native")
 
@@ -71,12 +72,42 @@ def on_native_path(x: torch.Tensor) -> bool:
 
 
 class NativeKernels:
-    """``LayerKernels`` (``engine/fused.py``) of the C++."""
+    """``Kernels`` and ``LayerKernels`` (``engine/fused.py``) of the C++."""
+
+    name = "native"
 
     def __init__(self, module: ModuleType) -> None:
         self.add_rms_norm = module.add_rms_norm
         self.rope_cache = module.rope_cache
         self.silu_mul = module.silu_mul
+
+    def serves(self, attention: AttentionContext) -> TypeGuard[CachedAttention]:
+        """Only beside the native attention (a context that carries ``kernel_rows``):
+        the whole CPU forward is one or the other."""
+        return isinstance(attention, CachedAttention) and attention.kernel_rows is not None
+
+    def forward(
+        self,
+        model: ProgramModel,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: CachedAttention,
+    ) -> torch.Tensor:
+        stack = model.layer_stack
+        if stack is None:
+            return layer_program(model, input_ids, positions, attention, self)
+        # The same kernels in the same order, in one call (engine/native_layers.cpp).
+        assert attention.kernel_rows is not None
+        x = F.embedding(input_ids, model.embed)
+        pool = attention.pool
+        out = stack.forward(x, positions, attention.slots, pool.k, pool.v, *attention.kernel_rows)
+        return out  # type: ignore[no-any-return]
+
+
+def native_kernels(x: torch.Tensor) -> NativeKernels | None:
+    """The C++ ``Kernels`` for a model whose tensors are like ``x``, where they run."""
+    module = kernels() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    return None if module is None else NativeKernels(module)
 
 
 def paged_attention(
@@ -94,23 +125,4 @@ def paged_attention(
     module = kernels()
     assert module is not None, "paged_attention without the native kernels"
     out = module.paged_attention(q, k_cache, v_cache, block_tables, rows, query_pos, scale)
-    return out  # type: ignore[no-any-return]
-
-
-def native_forward(
-    model: FastLlama, input_ids: torch.Tensor, positions: torch.Tensor, attention: CachedAttention
-) -> torch.Tensor:
-    """``FastLlama.forward`` through the native kernels (a model ``fused.covers``)."""
-    from .fused import layer_program
-
-    module = kernels()
-    assert module is not None, "native_forward without the native kernels"
-    stack = model.layer_stack
-    if stack is None:
-        return layer_program(model, input_ids, positions, attention, NativeKernels(module))
-    # The same kernels in the same order, in one call (engine/native_layers.cpp).
-    assert attention.kernel_rows is not None
-    x = torch.nn.functional.embedding(input_ids, model.embed)
-    pool = attention.pool
-    out = stack.forward(x, positions, attention.slots, pool.k, pool.v, *attention.kernel_rows)
     return out  # type: ignore[no-any-return]

@@ -252,7 +252,7 @@ def quantized_model(fast: FastLlama, gguf: Path, blocks: bool | None = None) -> 
 
 def layer_stack(model: FastLlama) -> Any:
     """The C++ ``LayerStack`` (engine/native_layers.cpp) over ``model``'s layers, when the
-    native forward runs them (``fused.covers``) and every linear layer is a
+    native forward runs them (``llama.covers``) and every linear layer is a
     ``BlockLinear``; else None (the layer program in Python, kernel by kernel)."""
     module = native.kernels()
     linears = [getattr(layer, name) for layer in model.layers for name in _LINEARS]

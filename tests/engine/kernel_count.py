@@ -31,8 +31,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 from triton.runtime.interpreter import InterpretedFunction
 
-from wsinfer.engine import attention, llama, runner
+from wsinfer.engine import attention, runner
 from wsinfer.engine.batch import PrefillPiece
+from wsinfer.engine.fused import TritonKernels
 from wsinfer.engine.kvpool import KVPool
 from wsinfer.engine.llama import FastLlama
 from wsinfer.engine.runner import DecodeContext, ModelRunner, PrefillContext
@@ -58,17 +59,18 @@ def tiny_model(layers: int, dtype: torch.dtype) -> FastLlama:
 
 
 @contextlib.contextmanager
-def gpu_program(fused: bool) -> Iterator[None]:
-    """CPU tensors take the GPU's program: Triton attention, and the fused forward if
-    ``fused`` (engine/attention.py, engine/runner.py and engine/llama.py's switches)."""
-    saved = attention.on_triton, runner.use_invariant_attention, llama.on_fused_path
+def gpu_program(model: FastLlama, fused: bool) -> Iterator[None]:
+    """CPU tensors take the GPU's program: Triton attention (engine/attention.py's and
+    engine/runner.py's switches), and ``model`` the kernels a CUDA model is built with:
+    Triton's fused forward if ``fused``, else none (the torch forward)."""
+    saved = attention.on_triton, runner.use_invariant_attention, model.kernels
     attention.on_triton = lambda t: True
     runner.use_invariant_attention = lambda pool, softcap: False
-    llama.on_fused_path = lambda x: fused
+    model.kernels = TritonKernels() if fused else None
     try:
         yield
     finally:
-        attention.on_triton, runner.use_invariant_attention, llama.on_fused_path = saved
+        attention.on_triton, runner.use_invariant_attention, model.kernels = saved
 
 
 class KernelCounter(TorchDispatchMode):
@@ -121,7 +123,7 @@ def decode_step_kernels(layers: int, fused: bool) -> Counter[str]:
     pool = KVPool(layers, 8, BLOCK_SIZE, model.num_kv_heads, model.head_dim,
                   model.dtype, torch.device("cpu"))  # fmt: skip
     pool.k.zero_(), pool.v.zero_()  # as on a GPU: no garbage for the interpreter to warn of
-    with gpu_program(fused):
+    with gpu_program(model, fused):
         step = ModelRunner(model, pool, ROWS, 4, ROWS, (1, 2, ROWS), ends=[1])
         step.padded = True
         step.step_ints[1, :ROWS] = torch.tensor([5, 17, 0, 30])  # lengths; 0: a padding row
@@ -148,7 +150,7 @@ def fused_forward_problems() -> list[str]:
     for fused in (False, True):
         pool = KVPool(2, 5, BLOCK_SIZE, 2, 16, torch.float32, torch.device("cpu"))
         pool.k.zero_(), pool.v.zero_()
-        with gpu_program(fused), torch.inference_mode():
+        with gpu_program(model, fused), torch.inference_mode():
             prefill = PrefillContext(pool, pieces, model.scale)
             ids = torch.tensor([t for p in pieces for t in p.tokens])
             hidden = [model.forward(ids, prefill.positions, prefill)]

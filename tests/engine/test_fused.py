@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from wsinfer.engine import llama
+from wsinfer.engine import fused
 from wsinfer.engine.kvpool import KVPool
 from wsinfer.engine.llama import FastLlama
 from wsinfer.engine.runner import DecodeContext
@@ -95,7 +95,7 @@ def test_cpu_tensors_keep_the_torch_forward(monkeypatch: pytest.MonkeyPatch) -> 
     def refuse(*args: object) -> None:
         raise AssertionError("the CPU took the fused forward")
 
-    monkeypatch.setattr(llama, "fused_forward", refuse)
+    monkeypatch.setattr(fused.TritonKernels, "forward", refuse)
     model = tiny_model(1, torch.float32)
     assert model.fusable
     pool = KVPool(1, 2, 16, model.num_kv_heads, model.head_dim, torch.float32, torch.device("cpu"))
