@@ -245,15 +245,17 @@ class TurnState:
 
     @property
     def live(self) -> bool:
-        """Whether a fresh connection should re-join it.
+        """Whether a fresh connection should re-join it (docs/protocol.md
+        "Clients"; the browser client's ``live`` is the same rule, and
+        tests/clients/rejoin_cases.json holds both to it).
 
-        A turn the caller paused (and the server confirmed) is left alone:
-        re-joining means ``resume``, which would un-pause it.
+        A turn last seen paused is left alone, whoever paused it: re-joining
+        means ``resume``, which would un-pause it. A stop the caller asked for
+        is repeated all the same.
         """
         if self.finished:
             return False
-        stop = ClientMessageType.STOP.value in self.requested
-        return stop or not (ClientMessageType.PAUSE.value in self.requested and self.paused)
+        return ClientMessageType.STOP.value in self.requested or not self.paused
 
     @property
     def text(self) -> str:

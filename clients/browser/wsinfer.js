@@ -157,8 +157,12 @@ export class WsinferTurn extends EventTarget {
     return LIVE.has(this.status) || this.status === TurnStatus.PAUSED;
   }
 
-  /** Whether a fresh connection re-joins it (a paused turn is left paused). */
+  /** Whether a fresh connection re-joins it: the Python client's rule
+   * (docs/protocol.md "Clients"; tests/clients/rejoin_cases.json holds both).
+   * A turn last seen paused is left paused, whoever paused it, unless the
+   * caller asked to stop it. */
   get live() {
+    if (this.status === TurnStatus.PAUSED) return this.client._asked(this, Send.STOP);
     return LIVE.has(this.status);
   }
 
@@ -383,6 +387,13 @@ export class WsinferClient extends EventTarget {
       return;
     }
     this._request({ type, session: this.session, token: this.sessionToken }, turn);
+  }
+
+  /** Whether the caller asked `type` (a control) of the turn, not answered yet. */
+  _asked(turn, type) {
+    if (turn._deferred === type) return true;
+    for (const p of this._pending.values()) if (p.turn === turn && p.type === type) return true;
+    return false;
   }
 
   _resumeTurn(turn, restoring = false) {
