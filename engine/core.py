@@ -43,6 +43,7 @@ from .quant import cpu_quantized_model
 from .runner import ModelRunner
 from .sampling import RowSampling, Variant, to_device, variant_of
 from .scheduler import PagedSequence, ScheduledStep, Scheduler
+from .stats import CoreStats, kept_caches
 
 __all__ = ["EngineConfig", "EngineCore", "EngineRequest", "RequestOutput", "build_core"]
 
@@ -164,7 +165,22 @@ class EngineCore(CoreBase):
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
-    # The scheduler's state and counters, read by the metrics, benchmarks and tests.
+    def stats(self) -> CoreStats:
+        scheduler, pool = self.scheduler, self.pool
+        return CoreStats(
+            **kept_caches(self.store),
+            pool_blocks=pool.num_blocks,
+            pool_free_blocks=pool.free_blocks,
+            pool_cached_blocks=pool.cached_blocks,
+            preemptions=scheduler.preemptions,
+            prefill_tokens=scheduler.prefill_tokens,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
+            gpu_idle_seconds=self.gpu_idle_seconds,
+            graph_capture_seconds=self.graph_capture_seconds,
+        )
+
+    # The scheduler's state and counters, read by benchmarks and tests.
 
     @property
     def rows(self) -> DecodeRows:

@@ -29,6 +29,7 @@ from wsinfer.engine.fake_spec import FakeSpec
 from wsinfer.engine.lifecycle import refused
 from wsinfer.engine.logprobs import TokenLogprob
 from wsinfer.engine.lru import LRUBacked, RetainedLRU
+from wsinfer.engine.stats import CoreStats, kept_caches
 from wsinfer.sessions.schema import TurnError, Usage
 
 WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
@@ -118,6 +119,9 @@ class FakeCore:
         self._last_step = 0.0  # monotonic time of the last step that gave tokens
 
     # --- EngineCore's public API ------------------------------------------------
+
+    def stats(self) -> CoreStats:
+        return CoreStats(**kept_caches(self.store))
 
     def add(self, request: EngineRequest) -> None:
         rid = request.request_id

@@ -28,6 +28,7 @@ from .grammar import Constraint, Grammars
 from .logprobs import TokenBytes, TokenLogprob
 from .model import LoadedModel
 from .sampling import fresh_seed
+from .stats import CoreStats, kept_caches
 
 
 @dataclass
@@ -86,8 +87,10 @@ class RequestOutput:
 class Core(Protocol):
     """What the engine process and its metrics use of a core: ``EngineCore``,
     ``EagerEngineCore`` and the model-free ``fake.FakeCore`` all have it, and
-    the process holds none of them by its concrete type. Counters a core may
-    or may not keep (``preemptions``, ``pool``, ``store``) are read by name."""
+    the process holds none of them by its concrete type."""
+
+    def stats(self) -> CoreStats:
+        """Its counters now (read from the metrics' thread: plain reads)."""
 
     def add(self, request: EngineRequest) -> None: ...
 
@@ -151,6 +154,9 @@ class CoreBase:
         self.detokenizers = Detokenizers(loaded.tokenizer, self.token_bytes)
 
     # --- public API ---------------------------------------------------------
+
+    def stats(self) -> CoreStats:
+        return CoreStats(**kept_caches(self.store))
 
     def add(self, request: EngineRequest) -> None:
         rid = request.request_id

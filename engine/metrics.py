@@ -17,7 +17,6 @@ final event was published), which also logs the turn's one end line.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from wsinfer.engine.stats import CoreStats
 from wsinfer.sessions.schema import DoneEvent, TurnEvent
 
 if TYPE_CHECKING:  # the type only: this module leaves torch (lifecycle's) unimported
@@ -160,17 +160,21 @@ class EngineMetrics:
 
     def _define_kv(self, r: CollectorRegistry) -> None:
         # Read at scrape time: the core (and its store) may be set after the port is up.
-        for name, doc in (
-            ("used_bytes", "Bytes of the KV caches kept for paused and finished turns"),
-            ("budget_bytes", "Budget for those caches (--kv-cache-mb)"),
-        ):
-            gauge = Gauge(f"wsinfer_engine_kv_cache_{name}", doc, registry=r)
-            gauge.set_function(functools.partial(self._store_attr, name))
+        Gauge(
+            "wsinfer_engine_kv_cache_used_bytes",
+            "Bytes of the KV caches kept for paused and finished turns",
+            registry=r,
+        ).set_function(lambda: self.stats().kept_bytes)
+        Gauge(
+            "wsinfer_engine_kv_cache_budget_bytes",
+            "Budget for those caches (--kv-cache-mb)",
+            registry=r,
+        ).set_function(lambda: self.stats().kept_budget_bytes)
         Gauge(
             "wsinfer_engine_kv_retained_handles",
             "KV caches kept for paused and finished turns",
             registry=r,
-        ).set_function(lambda: len(self._store() or ()))
+        ).set_function(lambda: self.stats().kept_caches)
         self._define_pool(r)
         self.kv_lookups = Counter(
             "wsinfer_engine_kv_cache_lookups",
@@ -186,17 +190,17 @@ class EngineMetrics:
             "wsinfer_engine_kv_pool_blocks",
             "Blocks of the paged KV pool, allocated once at start-up",
             registry=r,
-        ).set_function(lambda: self._pool_attr("num_blocks"))
+        ).set_function(lambda: self.stats().pool_blocks)
         Gauge(
             "wsinfer_engine_kv_pool_free_blocks",
             "Blocks neither running rows nor kept caches hold (idle prefix-cache blocks count)",
             registry=r,
-        ).set_function(lambda: self._pool_attr("free_blocks"))
+        ).set_function(lambda: self.stats().pool_free_blocks)
         Gauge(
             "wsinfer_engine_kv_pool_cached_blocks",
             "Blocks a later prompt that starts alike may share (held or idle)",
             registry=r,
-        ).set_function(lambda: self._pool_attr("cached_blocks"))
+        ).set_function(lambda: self.stats().pool_cached_blocks)
         Gauge(
             "wsinfer_engine_kv_cache_usage_perc",
             "Fraction of the KV pool in use, kept caches included (vllm:kv_cache_usage_perc)",
@@ -204,12 +208,13 @@ class EngineMetrics:
         ).set_function(self._pool_usage)
         r.register(_CoreCounters(self))
 
-    def _pool_attr(self, name: str) -> float:
-        return float(getattr(getattr(self.core, "pool", None), name, 0))
+    def stats(self) -> CoreStats:
+        """The core's counters now (zeros until a core is attached)."""
+        return self.core.stats() if self.core is not None else CoreStats()
 
     def _pool_usage(self) -> float:
-        total = self._pool_attr("num_blocks")
-        return 1.0 - self._pool_attr("free_blocks") / total if total else 0.0
+        stats = self.stats()
+        return 1.0 - stats.pool_free_blocks / stats.pool_blocks if stats.pool_blocks else 0.0
 
     def _define_gpu(self, r: CollectorRegistry) -> None:
         import torch
@@ -232,12 +237,6 @@ class EngineMetrics:
         self.max_batch.set(max_batch_size)
         if device.startswith("cuda"):
             self._define_gpu(self.registry)
-
-    def _store(self) -> Any:
-        return getattr(self.core, "store", None)
-
-    def _store_attr(self, name: str) -> float:
-        return float(getattr(self._store(), name, 0))
 
     # --- hooks -------------------------------------------------------------------
 
@@ -336,19 +335,28 @@ class _CoreCounters:
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily
 
-        core = self.metrics.core
-        for name, doc in (
-            ("gpu_idle_seconds", "GPU time spent waiting for the host between steps"),
-            ("preemptions", "Rows sent back to be recomputed for want of KV blocks"),
-            ("prefill_tokens", "Prompt tokens that went through the model"),
+        stats = self.metrics.stats()
+        for name, doc, value in (
+            (
+                "gpu_idle_seconds",
+                "GPU time spent waiting for the host between steps",
+                stats.gpu_idle_seconds,
+            ),
+            (
+                "preemptions",
+                "Rows sent back to be recomputed for want of KV blocks",
+                stats.preemptions,
+            ),
+            ("prefill_tokens", "Prompt tokens that went through the model", stats.prefill_tokens),
             (
                 "prefix_cache_queries",
                 "Prompt tokens of admitted requests (vllm:prefix_cache_queries)",
+                stats.prefix_cache_queries,
             ),
             (
                 "prefix_cache_hits",
                 "Of those, tokens a kept or shared KV cache spared (vllm:prefix_cache_hits)",
+                stats.prefix_cache_hits,
             ),
         ):
-            value = float(getattr(core, name, 0) or 0)
-            yield CounterMetricFamily(f"wsinfer_engine_{name}", doc, value=value)
+            yield CounterMetricFamily(f"wsinfer_engine_{name}", doc, value=float(value))

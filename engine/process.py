@@ -590,7 +590,7 @@ def run_engine(
             core=type(core).__name__,
             max_batch_size=core_config.max_batch_size,
             seconds=round(time.monotonic() - started, 1),
-            graph_capture_seconds=round(getattr(core, "graph_capture_seconds", 0.0), 1),
+            graph_capture_seconds=round(core.stats().graph_capture_seconds, 1),
         )
     if standby is not None and not standby.wait(lambda: os.getppid() != parent):
         return

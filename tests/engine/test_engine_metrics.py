@@ -217,3 +217,26 @@ def test_prefix_cache_counters_are_exported(tiny: Any) -> None:
     assert samples["wsinfer_engine_prefill_tokens_total"] == 41 + 42 - 32
     # a computed tokens 0-43 (2 whole blocks); b shared them, then computed 32-44.
     assert samples["wsinfer_engine_kv_pool_cached_blocks"] == 2
+
+
+def test_every_core_gives_the_same_stats_object() -> None:
+    # The fake core (no pool): its kept caches are exported, its pool reads zero.
+    from tests.engine.conftest import run_all
+    from wsinfer.engine.core import EngineRequest
+    from wsinfer.engine.fake import FAKE_KV_BYTES_PER_TOKEN, FakeCore
+    from wsinfer.engine.fake_spec import FakeSpec
+    from wsinfer.engine.stats import CoreStats
+    from wsinfer.sessions.schema import GenerationParams
+
+    core = FakeCore(FakeSpec(float("inf")), kv_cache_bytes=1 << 20)
+    core.add(EngineRequest("s:1", [1, 2, 3], GenerationParams(max_new_tokens=4), cache_key="s"))
+    run_all(core)  # type: ignore[arg-type]
+    stats = core.stats()
+    assert stats == CoreStats(
+        kept_caches=1, kept_bytes=7 * FAKE_KV_BYTES_PER_TOKEN, kept_budget_bytes=1 << 20
+    )
+    samples = core_samples(core)
+    assert samples["wsinfer_engine_kv_retained_handles"] == 1
+    assert samples["wsinfer_engine_kv_cache_used_bytes"] == 7 * FAKE_KV_BYTES_PER_TOKEN
+    assert samples["wsinfer_engine_kv_pool_blocks"] == 0
+    assert samples["wsinfer_engine_kv_cache_usage_perc"] == 0
