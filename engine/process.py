@@ -46,6 +46,7 @@ from wsinfer.sessions.schema import (
     TurnEvent,
     Usage,
 )
+from wsinfer.sessions.scripts import Reply
 from wsinfer.sessions.worker import (
     ClaimedTurn,
     PendingPublish,
@@ -466,16 +467,16 @@ class EngineProcess:
         turn.announced = True
         turn.published += 1
         outcome = result.outcome
-        if outcome != "ok":
+        if outcome != Reply.OK:
             # fenced (taken over), not_found (closed) or illegal: stop running it.
             log.warning("turn lost", session=turn.session, turn=turn.turn, outcome=outcome)
             self.metrics.forget(request_id)
             if item.final_action is None:
-                gone = outcome == "not_found"
+                gone = outcome == Reply.NOT_FOUND
                 # A gap (Redis lost our last writes in a failover) is not
                 # acked either: the lease runs out and the turn is rebuilt
                 # from what the token log really holds.
-                keep = outcome in ("fenced", "gap")
+                keep = outcome in (Reply.FENCED, Reply.GAP)
                 self._drop(request_id, forget_cache=gone, ack=not keep)
             else:
                 self._forget(request_id)
