@@ -116,7 +116,12 @@ class ResponseRequest:
 def parse_response_request(body: bytes, limits: Limits, model: str) -> ResponseRequest:
     """Validate a ``POST /v1/responses`` body as a ``generate`` (of the previous
     response's session, with ``previous_response_id``)."""
-    data = json_object(body)
+    return response_request(json_object(body), limits, model)
+
+
+def response_request(data: dict[str, Any], limits: Limits, model: str) -> ResponseRequest:
+    """A create's fields (a body, or a WebSocket ``response.create`` without its
+    envelope), checked alike on both doors."""
     check_fields(data, _KNOWN, _OFF_VALUES, _IGNORED)
     check_model(data, model)
     instructions = data.get("instructions")
@@ -442,10 +447,25 @@ def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, 
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
+def payload(kind: str, number: int, **fields: Any) -> dict[str, Any]:
+    """One Responses stream event, whichever door carries it."""
+    return {"type": kind, "sequence_number": number, **fields}
+
+
+def sse_event(data: dict[str, Any]) -> bytes:
+    """An event as OpenAI's SSE stream sends it (``event:`` named), ``id`` its number."""
+    kind, number = data["type"], data["sequence_number"]
+    text = json.dumps(data, ensure_ascii=False)
+    return f"id: {number}\nevent: {kind}\ndata: {text}\n\n".encode()
+
+
+def sse_events(events: list[dict[str, Any]]) -> bytes:
+    return b"".join(sse_event(data) for data in events)
+
+
 def event(kind: str, number: int, **fields: Any) -> bytes:
-    """One SSE event as OpenAI sends it (``event:`` named), ``id`` its sequence number."""
-    data = json.dumps({"type": kind, "sequence_number": number, **fields}, ensure_ascii=False)
-    return f"id: {number}\nevent: {kind}\ndata: {data}\n\n".encode()
+    """One SSE event, ``id`` its sequence number."""
+    return sse_event(payload(kind, number, **fields))
 
 
 @dataclass
@@ -459,7 +479,11 @@ class Output:
 
 class ResponseEvents:
     """The events of one response for a reader that has those up to ``after``
-    (-1: none): numbered from the turn's ``seq`` (see the module's docstring)."""
+    (-1: none): numbered from the turn's ``seq`` (see the module's docstring).
+
+    The one builder of both doors: ``*_events`` give the events as objects (a
+    WebSocket sends each as a frame), ``opening``/``delta``/``closing`` the same
+    as SSE bytes."""
 
     def __init__(self, view: ResponseView, after: int) -> None:
         self.view = view
@@ -475,6 +499,21 @@ class ResponseEvents:
         return max(0, self.after - HEAD)
 
     def opening(self, status: str) -> bytes:
+        return sse_events(self.opening_events(status))
+
+    def delta(
+        self,
+        seq: int,
+        text: str,
+        logprobs: list[dict[str, Any]] | None = None,
+        calls: list[dict[str, Any]] | None = None,
+    ) -> bytes:
+        return sse_events(self.delta_events(seq, text, logprobs, calls))
+
+    def closing(self, done: DoneMessage, before: Output) -> bytes:
+        return sse_events(self.closing_events(done, before))
+
+    def opening_events(self, status: str) -> list[dict[str, Any]]:
         view, where = self.view, {"output_index": 0}
         item = {"item_id": view.rid.item_id, **where, "content_index": 0}
         events: list[tuple[str, dict[str, Any]]] = [
@@ -485,29 +524,29 @@ class ResponseEvents:
         ]
         return self._numbered(0, events)
 
-    def delta(
+    def delta_events(
         self,
         seq: int,
         text: str,
         logprobs: list[dict[str, Any]] | None = None,
         calls: list[dict[str, Any]] | None = None,
-    ) -> bytes:
+    ) -> list[dict[str, Any]]:
         """A text delta's event. Calls come as output items after the message, with the
         closing events: a delta that only completes calls has no event of its own."""
         number = HEAD + seq
         if number <= self.after:  # the resume's replay starts after it: never the case
-            return b""
+            return []
         self.text.append(text)
         self.logprobs += logprobs or ()
         self.calls += calls or ()
         if calls and not text:
-            return b""
+            return []
         self.last = number
         item = {"item_id": self.view.rid.item_id, "output_index": 0, "content_index": 0}
         fields = {**item, "delta": text, "logprobs": logprobs or []}
-        return event("response.output_text.delta", number, **fields)
+        return [payload("response.output_text.delta", number, **fields)]
 
-    def closing(self, done: DoneMessage, before: Output) -> bytes:
+    def closing_events(self, done: DoneMessage, before: Output) -> list[dict[str, Any]]:
         """The events after the ``done``: the message's three, four per function call
         (added, its arguments' delta and done, done), the response's last. ``before``:
         what this reader had before its stream started (the resume's ``after``)."""
@@ -539,11 +578,17 @@ class ResponseEvents:
         events.append((f"response.{status}", {"response": final}))
         return self._numbered(HEAD + done["seq"] + 1, events)
 
-    def _numbered(self, first: int, events: list[tuple[str, dict[str, Any]]]) -> bytes:
-        out = b""
+    def error_event(self, code: str, message: str) -> dict[str, Any]:
+        """A follow that failed (a refusal): OpenAI's stream ``error``, which ends it."""
+        return payload("error", self.last + 1, code=code, message=message, param=None)
+
+    def _numbered(
+        self, first: int, events: list[tuple[str, dict[str, Any]]]
+    ) -> list[dict[str, Any]]:
+        out = []
         for number, (kind, fields) in enumerate(events, first):
             if number > self.after:
-                out += event(kind, number, **fields)
+                out.append(payload(kind, number, **fields))
                 self.last = number
         return out
 

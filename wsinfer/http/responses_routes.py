@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from wsinfer.contract import ClientMessageType, ServerMessage, TurnStatus
+from wsinfer.contract import ClientMessageType, PausedMessage, ServerMessage, TurnStatus
 from wsinfer.http.connection import HttpRequest, HttpResponse
 from wsinfer.http.openai import (
     SESSION_HEADER,
@@ -29,11 +29,12 @@ from wsinfer.http.responses import (
     Output,
     ResponseEvents,
     ResponseId,
+    ResponseRequest,
     ResponseView,
-    event,
     live_status,
     not_found,
     parse_response_request,
+    sse_events,
 )
 from wsinfer.messages import Resume, SessionCommand, done_message
 from wsinfer.sessions.schema import DeltaEvent, DoneEvent, GenerationParams
@@ -61,6 +62,22 @@ class ResponsesRoutes:
     async def create(self, request: HttpRequest) -> HttpResponse:
         config = self.frontend.config
         ask = parse_response_request(request.body, config.limits, config.model_name)
+        peer, view, status = await self.start(ask)
+        rid = view.rid
+        if ask.stream:
+            stream = self._sse(peer, ResponseEvents(view, -1), status)
+            return self.app.sse_answer(stream, _headers(rid), lambda: self.app.close_peer(peer))
+        if ask.background:  # answered at once; the turn runs on, unwatched
+            self.app.close_peer(peer)
+            return HttpResponse.json(200, view.body(status, None), _headers(rid))
+        try:
+            return await self._whole(peer, view, _headers(rid))
+        finally:
+            self.app.close_peer(peer)
+
+    async def start(self, ask: ResponseRequest) -> tuple[HttpPeer, ResponseView, str]:
+        """Start the response's turn on a peer of its own, which follows it: the peer
+        (the caller closes it), the response's view and its status as started."""
         if ask.previous is not None:
             await self._latest(ask.previous)
         peer = self.app.open_peer()
@@ -75,32 +92,22 @@ class ResponsesRoutes:
             self.app.close_peer(peer)
             raise
         view = ResponseView(
-            rid, config.model_name, created, ask.generate.params,
+            rid, self.frontend.config.model_name, created, ask.generate.params,
             ask.instructions, ask.background, ask.metadata,
         )  # fmt: skip
-        status = live_status(accepted["status"])
-        if ask.stream:
-            stream = self._events(peer, ResponseEvents(view, -1), status)
-            return self.app.sse_answer(stream, _headers(rid), lambda: self.app.close_peer(peer))
-        if ask.background:  # answered at once; the turn runs on, unwatched
-            self.app.close_peer(peer)
-            return HttpResponse.json(200, view.body(status, None), _headers(rid))
-        try:
-            return await self._whole(peer, view, _headers(rid))
-        finally:
-            self.app.close_peer(peer)
+        return peer, view, live_status(accepted["status"])
 
     async def retrieve(self, request: HttpRequest, response_id: str) -> HttpResponse:
         rid = ResponseId.parse(response_id)
         if request.query.get("stream", "").lower() in ("1", "true"):
             return await self._resume(request, rid)
-        info = await self._info(rid)
+        info = await self.info(rid)
         return HttpResponse.json(200, await self._snapshot(rid, info), _headers(rid))
 
     async def cancel(self, request: HttpRequest, response_id: str) -> HttpResponse:
         """Stop the turn (a finished one stays as it is) and answer the response."""
         rid = ResponseId.parse(response_id)
-        info = await self._info(rid)
+        info = await self.info(rid)
         if rid.turn == info.turn and info.status != TurnStatus.DONE.value:
             stop = SessionCommand(ClientMessageType.STOP, None, rid.session, rid.token)
             peer = self.app.open_peer()
@@ -109,23 +116,28 @@ class ResponsesRoutes:
                 await peer.outcome(CONTROL_WAIT_S)
             finally:
                 self.app.close_peer(peer)
-            info = await self._info(rid)
+            info = await self.info(rid)
         return HttpResponse.json(200, await self._snapshot(rid, info), _headers(rid))
 
     async def delete(self, request: HttpRequest, response_id: str) -> HttpResponse:
         """Close the response's session: every response of the conversation goes with it."""
         rid = ResponseId.parse(response_id)
-        await self._info(rid)
+        await self.info(rid)
         await self.app.close_session(rid.session, rid.token)
         return HttpResponse.json(200, {"id": str(rid), "object": "response", "deleted": True})
 
     # --- streams ----------------------------------------------------------------------
 
     async def _resume(self, request: HttpRequest, rid: ResponseId) -> HttpResponse:
-        """The response's events after ``starting_after``, then live: the turn
-        resumed from the seq that number maps to (a paused turn goes on)."""
         after = _starting_after(request.query.get("starting_after"))
-        info = await self._info(rid)
+        peer, events, status = await self.follow(rid, after)
+        stream = self._sse(peer, events, status)
+        return self.app.sse_answer(stream, _headers(rid), lambda: self.app.close_peer(peer))
+
+    async def follow(self, rid: ResponseId, after: int) -> tuple[HttpPeer, ResponseEvents, str]:
+        """A peer following the response from its events after ``after``, then live:
+        the turn resumed from the seq that number maps to (a paused turn goes on)."""
+        info = await self.info(rid)
         events = ResponseEvents(await self._view(rid, info), after)
         peer = self.app.open_peer()
         try:
@@ -136,39 +148,55 @@ class ResponsesRoutes:
             self.app.close_peer(peer)
             raise
         status = live_status(info.status) if rid.turn == info.turn else "in_progress"
-        events_out = self._events(peer, events, status)
-        return self.app.sse_answer(events_out, _headers(rid), lambda: self.app.close_peer(peer))
+        return peer, events, status
 
-    async def _events(
+    async def _sse(
         self, peer: HttpPeer, events: ResponseEvents, status: str
     ) -> AsyncIterator[bytes]:
-        opening = events.opening(status)
+        async for out in self.stream(peer, events, status):
+            if out is None:
+                yield SSE_KEEPALIVE
+            elif isinstance(out, list):
+                yield sse_events(out)
+            else:  # a comment: the stream stays open and goes on when resumed
+                yield sse_comment(f"paused at seq {out['seq']}")
+
+    async def stream(
+        self, peer: HttpPeer, events: ResponseEvents, status: str
+    ) -> AsyncIterator[list[dict[str, Any]] | PausedMessage | None]:
+        """What a follower of the response is sent, for either door to encode: its
+        events, the turn's ``paused`` (no Responses event says it), or None after
+        ``KEEPALIVE_S`` of silence. It ends after the response's last event."""
+        opening = events.opening_events(status)
         if opening:
             yield opening
         while True:
             messages = await peer.messages(KEEPALIVE_S)
             if not messages:
-                yield SSE_KEEPALIVE
+                yield None
             for message in messages:
-                out = await self._event_for(events, message)
+                if message["type"] == "paused":
+                    yield message
+                    continue
+                out = await self._events_for(events, message)
                 if out:
                     yield out
                 if message["type"] in ("done", "error"):
                     return
 
-    async def _event_for(self, events: ResponseEvents, message: ServerMessage) -> bytes:
+    async def _events_for(
+        self, events: ResponseEvents, message: ServerMessage
+    ) -> list[dict[str, Any]]:
         if message["type"] == "delta":
             calls = message.get("tool_calls")
-            return events.delta(message["seq"], message["text"], message.get("logprobs"), calls)
-        if message["type"] == "paused":  # a comment: the stream stays open and goes on when resumed
-            return sse_comment(f"paused at seq {message['seq']}")
+            text, lps = message["text"], message.get("logprobs")
+            return events.delta_events(message["seq"], text, lps, calls)
         if message["type"] == "done":
             before = await self._output(events.view.rid, upto=events.seq_after)
-            return events.closing(message, before)
+            return events.closing_events(message, before)
         if message["type"] == "error":  # the follow failed (a refusal): OpenAI's error ends it
-            fields = {"code": message["code"], "message": message["message"], "param": None}
-            return event("error", events.last + 1, **fields)
-        return b""
+            return [events.error_event(message["code"], message["message"])]
+        return []
 
     async def _whole(
         self, peer: HttpPeer, view: ResponseView, headers: list[tuple[str, str]]
@@ -191,7 +219,7 @@ class ResponsesRoutes:
 
     # --- reads ------------------------------------------------------------------------
 
-    async def _info(self, rid: ResponseId) -> SessionInfo:
+    async def info(self, rid: ResponseId) -> SessionInfo:
         """The session, if the id's token opens it and it has the turn (else 404)."""
         try:
             info = await self.frontend.store.info(rid.session, rid.token)
@@ -203,7 +231,7 @@ class ResponsesRoutes:
 
     async def _latest(self, previous: ResponseId) -> None:
         """``previous_response_id`` continues a session: it must be its latest turn."""
-        info = await self._info(previous)
+        info = await self.info(previous)
         if previous.turn != info.turn:
             raise bad_request(
                 "previous_response_id must be the latest response of its conversation "
