@@ -11,13 +11,21 @@ CPU_MAX_BATCH = 16
 
 
 def resolve_device(device: str) -> str:
+    """``auto`` made concrete; a CUDA device this torch cannot use is refused in
+    one line (ValueError), before anything is loaded onto it."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        why = "this torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"--device {device}: {why} (torch {torch.__version__}); use --device cpu")
     return device
 
 
 def is_gpu(device: str) -> bool:
-    return resolve_device(device).startswith("cuda")
+    """Whether ``device`` names a GPU (whether this torch can use it or not)."""
+    if device == "auto":
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 def default_dtype(device: str, dtype: str) -> str:

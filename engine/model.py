@@ -135,6 +135,7 @@ def _gguf_source(spec: str | None) -> Path | None:
 def converted_gguf_dir(gguf: Path, cache_dir: Path, *, hint: str = "") -> Path:
     """Directory holding ``gguf`` converted with save_pretrained; built once, atomically.
     Keyed by the file's content, not its path: another venv's copy is the same model."""
+    check_gguf(gguf)
     target = cache_dir / "models" / f"{gguf.stem}-{gguf_digest(gguf, cache_dir)[:16]}"
     if (target / "config.json").is_file():
         return target
@@ -145,6 +146,21 @@ def converted_gguf_dir(gguf: Path, cache_dir: Path, *, hint: str = "") -> Path:
         directory=str(target),
     )
     return build_model_dir(target, lambda out: _convert_gguf(gguf, out))
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf(gguf: Path) -> None:
+    """One line (ModelLoadError) for a file that is not GGUF, before any conversion
+    starts: transformers' reader would raise from deep inside the tokenizer's load."""
+    try:
+        with gguf.open("rb") as handle:
+            magic = handle.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {gguf}: {exc.strerror or exc}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{gguf} is not a GGUF file (it does not start with 'GGUF')")
 
 
 # Measured: SmolLM2-135M's Q4_1 file (98 MB) converts in 33 s on a 2-core EPYC

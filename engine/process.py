@@ -564,7 +564,11 @@ def run_engine(
         log.info("engine metrics", url=f"http://{config.metrics_host}:{port}/metrics")
     core_config = core_config or EngineConfig(max_batch_size=config.max_batch_size)
     if not is_fake(model_spec):
-        device, dtype = resolve_device(device), default_dtype(device, dtype)
+        try:
+            device = resolve_device(device)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        dtype = default_dtype(device, dtype)
     log.info("loading model", model=model_spec or "default", device=device, dtype=dtype)
     started = time.monotonic()
     core: Core

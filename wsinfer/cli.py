@@ -66,9 +66,45 @@ def _add_switch(parser: argparse.ArgumentParser, name: str, help: str) -> None:
     )
 
 
-def _env_flag(name: str, default: bool = False) -> bool:
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _env_flag(name: str, default: bool = False) -> bool | str:
+    """A switch's default from WSINFER_<NAME>; a value that is neither yes nor no is
+    kept as it is, for ``WsinferParser`` to refuse once it knows the command."""
     value = str(_env(name, "")).strip().lower()
-    return value in ("1", "true", "yes", "on") if value else default
+    if not value:
+        return default
+    return True if value in TRUE_WORDS else False if value in FALSE_WORDS else value
+
+
+class WsinferParser(argparse.ArgumentParser):
+    """Refuses what a command's parser would: an unknown flag with that command's
+    usage (not the top level's), and a WSINFER_* value the flag itself would refuse
+    (argparse checks ``choices`` only on the command line, never on a default)."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = self.parse_known_args(args, namespace)
+        command = getattr(self, "commands", {}).get(getattr(parsed, "command", None))
+        if extra:
+            (command or self).error(f"unrecognized arguments: {' '.join(extra)}")
+        if command is not None:
+            _check_environment(command, parsed)
+        return parsed
+
+
+def _check_environment(command: argparse.ArgumentParser, parsed: argparse.Namespace) -> None:
+    for action in command._actions:
+        value = getattr(parsed, action.dest, None)
+        name = f"WSINFER_{action.dest.upper()}"
+        if isinstance(action, argparse.BooleanOptionalAction) and isinstance(value, str):
+            words = ", ".join(TRUE_WORDS + FALSE_WORDS)
+            command.error(f"{name}={value!r}: expected one of {words}")
+        if action.choices is not None and value is not None and value not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            command.error(f"{name}={value!r}: invalid choice (choose from {choices})")
 
 
 def _positive_int(text: str) -> int:
@@ -317,9 +353,9 @@ def _version() -> str:
     return f"wsinfer {__version__}"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wsinfer", description=DESCRIPTION, epilog=EPILOG)
-    parser.add_argument("--version", action="version", version=_version())
+def build_parser() -> WsinferParser:
+    parser = WsinferParser(prog="wsinfer", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("-V", "--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parsers: dict[str, Any] = {"formatter_class": HelpFormatter}
 
@@ -417,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_arguments(prepare_parser)
     _add_common(prepare_parser)
+    parser.commands = dict(sub.choices)
     return parser
 
 

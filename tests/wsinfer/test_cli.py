@@ -242,3 +242,84 @@ def test_prefix_caching_is_the_default_and_opting_out_reaches_serves_engine(
         assert core.prefix_caching is expected
     monkeypatch.setenv("WSINFER_PREFIX_CACHING", "0")
     assert engine_configs(engine_args())[1].prefix_caching is False
+
+
+def test_dash_capital_v_is_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["-V"])
+    assert exited.value.code == 0 and capsys.readouterr().out.startswith("wsinfer ")
+
+
+def test_an_unknown_flag_shows_the_commands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "--bogus"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.startswith("usage: wsinfer serve ") and "unrecognized arguments: --bogus" in err
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "command", "said"),
+    [
+        ("WSINFER_LOG_FORMAT", "xml", "serve", "invalid choice (choose from console, json)"),
+        ("WSINFER_DTYPE", "int8", "engine", "invalid choice"),
+        ("WSINFER_PREFIX_CACHING", "maybe", "engine", "expected one of 1, true"),
+        ("WSINFER_PORT", "abc", "serve", "invalid int value: 'abc'"),
+    ],
+)
+def test_a_bad_environment_value_is_refused_as_the_flag_would_be(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    variable: str,
+    value: str,
+    command: str,
+    said: str,
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([command])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"wsinfer {command}: error:" in err and said in err
+
+
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("off", False), ("YES", True)])
+def test_an_environment_switch_reads_yes_and_no(
+    monkeypatch: pytest.MonkeyPatch, value: str, on: bool
+) -> None:
+    monkeypatch.setenv("WSINFER_PREFIX_CACHING", value)
+    assert build_parser().parse_args(["engine"]).prefix_caching is on
+
+
+@pytest.mark.slow
+def test_a_file_that_is_not_gguf_and_cuda_without_cuda_are_one_line(
+    tmp_path: Path, redis_url: str
+) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a model at all")
+    for extra, said in [
+        (["--model", str(bad)], "is not a GGUF file"),
+        (["--device", "cuda", "--model", str(bad)], "--device cuda: this torch"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-m", "wsinfer", "engine", "--redis-url", redis_url, *extra],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        errors = [line for line in done.stderr.splitlines() if "[error" in line]
+        assert done.returncode == 1, done.stderr
+        assert "Traceback" not in done.stderr and len(errors) == 1 and said in errors[0]
+
+
+def test_not_gguf_and_no_cuda_are_refused_before_anything_loads(tmp_path: Path) -> None:
+    import torch
+
+    from wsinfer.engine.defaults import resolve_device
+    from wsinfer.engine.model import ModelLoadError, converted_gguf_dir
+
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04 a zip, say")
+    with pytest.raises(ModelLoadError, match="is not a GGUF file"):
+        converted_gguf_dir(bad, tmp_path / "cache")
+    assert not (tmp_path / "cache" / "models").exists()  # nothing began
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda:1: this torch is a CPU build"):
+            resolve_device("cuda:1")
