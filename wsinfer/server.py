@@ -18,8 +18,9 @@ import redis.asyncio as aioredis
 import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request
 
-from wsinfer.access import Access
+from wsinfer.access import Access, Denied, request_path
 from wsinfer.contract import CloseCode, ErrorCode
 from wsinfer.errors import ClientError, StoreUnavailable, WsinferError
 from wsinfer.fanin import FanIn
@@ -27,6 +28,8 @@ from wsinfer.fanin_cluster import ClusterFanIn
 from wsinfer.handlers import Handlers, Peer, to_protocol_error
 from wsinfer.http.app import HttpApp
 from wsinfer.http.door import front_door
+from wsinfer.http.responses_ws import PATH as RESPONSES_PATH
+from wsinfer.http.responses_ws import ResponsesSocket, handshake, handshake_refusal
 from wsinfer.limits import CapacityGate, LogThrottle, TokenBucket
 from wsinfer.messages import SUBPROTOCOLS, Limits, codec_for
 from wsinfer.metrics import Metrics
@@ -109,7 +112,7 @@ class Frontend:
             self.config.port,
             subprotocols=list(SUBPROTOCOLS),  # type: ignore[arg-type]
             select_subprotocol=_select_subprotocol,
-            process_request=lambda _conn, request: self.routes.answer(request),
+            process_request=self._answer_handshake,
             create_connection=front_door(self.http),
             max_size=self.config.max_frame_bytes,
             extensions=[DeflateLargeFactory()],
@@ -216,7 +219,25 @@ class Frontend:
 
     # --- WebSocket ---------------------------------------------------------------
 
+    async def _answer_handshake(self, _conn: ServerConnection, request: Request) -> Any:
+        """Which door a handshake opens: the Responses API's WebSocket mode on
+        /v1/responses; /v1/ws, or a plain route, otherwise."""
+        try:
+            path = request_path(request.path)
+        except Denied as exc:
+            return handshake_refusal(exc)
+        if path == RESPONSES_PATH:
+            return handshake(self.http, request)
+        return await self.routes.answer(request)
+
     async def _handle(self, ws: ServerConnection) -> None:
+        if ws.request is not None and request_path(ws.request.path) == RESPONSES_PATH:
+            self.metrics.connections.inc()
+            try:
+                await ResponsesSocket(self.http, ws).run()
+            finally:
+                self.metrics.connections.dec()
+            return
         conn = Connection(self, ws)
         self.connections.add(conn)
         self.metrics.connections.inc()

@@ -349,7 +349,8 @@ def response_usage(usage: UsageFields) -> dict[str, Any]:
     prompt, output = usage["prompt_tokens"], usage["completion_tokens"]
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": usage["cached_tokens"]},
+        # cache_write_tokens: a field the SDK's types require; wsinfer counts no writes.
+        "input_tokens_details": {"cached_tokens": usage["cached_tokens"], "cache_write_tokens": 0},
         "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + output,
