@@ -16,6 +16,7 @@ import contextlib
 import os
 import shutil
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,11 @@ from wsinfer.clients.errors import NotFound, WsinferError
 EXIT_INTERRUPTED = 130
 HISTORY_LENGTH = 1000
 PROMPT = "> "
-HELP = "Enter sends; Up/Down recall earlier lines; Ctrl-C stops an answer; /new, /quit (or Ctrl-D)"
+CONTINUED = "... "  # after a line that ends with a backslash
+HELP = (
+    "Enter sends (end a line with \\ to go on; a paste is one question); Up/Down recall "
+    "earlier lines; Ctrl-C stops an answer; /new, /quit (or Ctrl-D)"
+)
 
 
 def history_path(explicit: str | None = None) -> Path:
@@ -51,6 +56,10 @@ class LineEditor:
             self.readline = None
             return
         self.readline = readline
+        # CPython turns readline's bracketed paste off (for its own REPL); on, the
+        # terminal marks a paste and readline keeps it whole, newlines and all:
+        # a pasted question is one message, not one per line.
+        readline.parse_and_bind("set enable-bracketed-paste on")
         readline.set_history_length(HISTORY_LENGTH)
         with contextlib.suppress(OSError):
             readline.read_history_file(path)
@@ -105,25 +114,52 @@ class TerminalChat:
         self.token: str | None = None
         self.history: list[dict[str, str]] = []  # to restart a session the server forgot
 
-    def note(self, text: str) -> None:
-        # Fitted to the width as it is now: the terminal may have been resized.
+    def note(self, text: str, *, whole: bool = False) -> None:
+        """A dim line on stderr, fitted to the width as it is now (the terminal may
+        have been resized): cut with an ellipsis, or ``whole``, wrapped (errors)."""
         width = shutil.get_terminal_size().columns
         line = f"[{text}]"
-        if len(line) > width - 1:
-            line = line[: max(8, width - 2)] + "…"
-        print(f"\x1b[2m{line}\x1b[0m", file=sys.stderr, flush=True)
+        if whole:
+            lines = textwrap.wrap(line, max(8, width - 1), break_on_hyphens=False) or [line]
+        elif len(line) > width - 1:
+            lines = [line[: max(8, width - 2)] + "…"]
+        else:
+            lines = [line]
+        for part in lines:
+            print(f"\x1b[2m{part}\x1b[0m", file=sys.stderr, flush=True)
+
+    def error(self, text: str) -> None:
+        self.note(f"error: {text}", whole=True)
 
     def loop(self, editor: LineEditor) -> int:
-        self.note(HELP)
+        self.note(HELP, whole=True)
+        interrupted = False  # the last prompt ended with Ctrl-C
         while True:
             try:
-                line = editor.read(PROMPT).strip()
+                line = self.read_question(editor)
             except EOFError:
                 self.out.write("\n")
                 return 0
+            except KeyboardInterrupt:
+                if interrupted:  # a second Ctrl-C in a row quits
+                    raise
+                interrupted = True
+                self.out.write("\n")
+                self.note("Ctrl-C again or Ctrl-D to quit")
+                continue
+            interrupted = False
             if line in ("/quit", "/exit"):
                 return 0
             self.handle(line)
+
+    def read_question(self, editor: LineEditor) -> str:
+        """One question: a line, or several (a paste is one, readline keeps its
+        newlines; a line that ends with a backslash goes on on the next)."""
+        lines = [editor.read(PROMPT)]
+        while lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1]
+            lines.append(editor.read(CONTINUED))
+        return "\n".join(lines).strip()
 
     def handle(self, line: str) -> None:
         if not line:
@@ -131,9 +167,9 @@ class TerminalChat:
         if line == "/new":
             self.new_session()
         elif line == "/help":
-            self.note(HELP)
+            self.note(HELP, whole=True)
         elif line.startswith("/"):
-            self.note(f"unknown command {line}; {HELP}")
+            self.note(f"unknown command {line}; {HELP}", whole=True)
         else:
             self.ask(line)
 
@@ -162,7 +198,7 @@ class TerminalChat:
         try:
             turn = self.start(text)
         except WsinferError as exc:
-            self.note(f"error: {exc}")
+            self.error(str(exc))
             return
         self.session, self.token = turn.session, turn.token
         shown = self.stream(turn, speed)
@@ -185,7 +221,7 @@ class TerminalChat:
             shown = self.interrupt(turn)
         except WsinferError as exc:
             self.out.write("\n")
-            self.note(f"error: {exc}")
+            self.error(str(exc))
             return "\n"
         return shown
 

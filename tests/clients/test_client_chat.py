@@ -204,7 +204,8 @@ async def received(server: Any, kind: str, timeout: float = 10) -> None:
 
 
 SPEED = r"(\d+) tokens · [\d.]+ tok/s · first token \d+ ms"
-PROMPT = r"\n> "
+# readline turns bracketed paste on (ESC [?2004h) as it shows the prompt.
+PROMPT = r"\n(?:\x1b\[\?2004h)?> "
 
 
 @pytest.fixture
@@ -271,5 +272,59 @@ async def test_terminal_ctrl_c_and_resize_mid_answer(fake_server: Any, tty_chat:
     await tty.expect("new session")
     await tty.expect(PROMPT)
     await received(fake_server, "close")
-    tty.send("\x03")  # Ctrl-C at the prompt quits
+    tty.send("\x03")  # Ctrl-C at the prompt: a second one in a row quits
+    await tty.expect("Ctrl-C again or Ctrl-D to quit")
+    tty.send("\x03")
     assert await tty.exit_code() == chat.EXIT_INTERRUPTED
+
+
+async def test_terminal_a_pasted_question_is_one_message(fake_server: Any, tty_chat: Any) -> None:
+    tty = tty_chat(fake_server.url, "--max-new-tokens", "2")
+    await tty.expect("> ")
+    # A terminal wraps a paste in these when the program asked (readline does).
+    tty.send("\x1b[200~first line\nsecond line\n  third\x1b[201~\r")
+    await tty.expect(SPEED)
+    await tty.expect(PROMPT)
+    tty.send("typed on\\\r")  # a trailing backslash: the question goes on
+    await tty.expect(r"\.\.\. ")
+    tty.send("two lines\r")
+    await tty.expect(SPEED)
+    await tty.expect(PROMPT)
+    generates = [m for m in fake_server.received if m["type"] == "generate"]
+    sent = [g["messages"][-1]["content"] for g in generates]
+    assert sent == ["first line\nsecond line\n  third", "typed on\ntwo lines"]
+
+
+async def test_terminal_ctrl_c_at_the_prompt_clears_then_quits(
+    fake_server: Any, tty_chat: Any
+) -> None:
+    tty = tty_chat(fake_server.url, "--max-new-tokens", "2")
+    await tty.expect("> ")
+    tty.send("half a questi")
+    await tty.expect("questi")
+    tty.send("\x03")  # clears the line: the chat goes on
+    await tty.expect("Ctrl-C again or Ctrl-D to quit")
+    await tty.expect(PROMPT)
+    tty.send("hello\r")
+    await tty.expect(SPEED)
+    await tty.expect(PROMPT)
+    sent = [m["messages"][-1]["content"] for m in fake_server.received if m["type"] == "generate"]
+    assert sent == ["hello"]
+    tty.send("\x03")
+    await tty.expect("Ctrl-C again or Ctrl-D to quit")
+    tty.send("\x03")  # twice in a row: quits
+    assert await tty.exit_code() == chat.EXIT_INTERRUPTED
+
+
+async def test_terminal_a_long_error_is_not_cut(fake_server: Any, tty_chat: Any) -> None:
+    tty = tty_chat(fake_server.url)
+    tty.resize(24, 40)
+    await tty.expect("> ")
+    tty.send("/" + "x" * 70 + "\r")  # an unknown command: its note names it whole
+    await tty.expect("unknown command")
+    await tty.expect(PROMPT)
+    note = tty.seen.rsplit("unknown command", 1)[1]
+    unwrapped = re.sub(r"\x1b\[[0-9;]*m|\r?\n", "", note)  # the note's lines, joined
+    assert unwrapped.startswith(" /" + "x" * 70 + "; Enter sends"), note
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", note).split("\r\n")
+    assert "…" not in note and all(len(line) < 40 for line in shown), shown
