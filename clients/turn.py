@@ -9,15 +9,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, Protocol
 
 from wsinfer.clients.errors import WsinferError
 from wsinfer.clients.protocol import ChatMessage, TurnState
 from wsinfer.contract import ClientMessageType, Usage
 
-if TYPE_CHECKING:
-    from wsinfer.clients.client import Client
+
+class Client(Protocol):
+    """What a turn and a conversation ask of their client (``client.Client`` is
+    it): a protocol here, so that this module does not import the client, which
+    imports it."""
+
+    async def start(
+        self,
+        *,
+        messages: Sequence[ChatMessage] | None = None,
+        prompt: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        session: str | None = None,
+        token: str | None = None,
+    ) -> Turn: ...
+
+    async def close_session(self, session: str, token: str | None = None) -> None: ...
+
+    async def send_control(
+        self, turn: Turn, kind: ClientMessageType, ack: asyncio.Future[None] | None
+    ) -> None: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
