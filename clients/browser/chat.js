@@ -6,7 +6,10 @@
 
 import { WsinferClient } from "wsinfer-client";
 import { renderMarkdown, StreamingMarkdown } from "./markdown.js";
-import { ChatStore, clientKey, newConversation, titleFor } from "./store.js";
+import {
+  ChatStore, clientKey, fork, MAX_LINK_CHARS, newConversation, packLink, switchVersion, titleFor,
+  unpackLink, versionsOf,
+} from "./store.js";
 
 const $ = (id) => document.getElementById(id);
 const els = {
@@ -19,6 +22,8 @@ const els = {
   themeSelect: $("theme-select"), main: $("main"),
   keyDialog: $("api-key-dialog"), keyForm: $("api-key-form"), keyInput: $("api-key"),
   keyError: $("api-key-refused"), rememberKey: $("remember-key"),
+  share: $("share"), shareDialog: $("share-dialog"), shareLink: $("share-link"), shareQr: $("share-qr"),
+  shareNote: $("share-note"), copyLink: $("copy-link"), shareBody: $("share-body"),
 };
 
 const query = new URLSearchParams(location.search);
@@ -144,7 +149,11 @@ function actionButton(label, name, onClick) {
   return b;
 }
 
-function renderMessage(role, content, note) {
+const REMOTE_QUESTION = "A question asked on another device. The server sends answers back, not questions, so only its answer is shown here.";
+
+/** One message of the log; `index` is its place in conv.messages (for its versions). */
+function renderMessage(m, index = null) {
+  const { role } = m;
   const li = document.createElement("li");
   li.className = `msg ${role}`;
   li.dataset.role = role;
@@ -153,27 +162,66 @@ function renderMessage(role, content, note) {
   who.textContent = role === "user" ? "You" : "Assistant";
   const body = document.createElement("div");
   body.className = "content";
-  if (role === "user") { body.textContent = content; body.source = content; } else renderMarkdown(body, content);
+  if (role === "user") {
+    body.textContent = m.remote ? m.remote === true ? REMOTE_QUESTION : m.remote : m.content;
+    body.source = m.content;
+    if (m.remote) li.classList.add("remote");
+  } else renderMarkdown(body, m.content);
   const noteEl = document.createElement("span");
   noteEl.className = "note";
-  if (note) noteEl.textContent = note;
-  li.append(who, body, noteEl, messageActions(li, role));
+  if (m.note) noteEl.textContent = m.note;
+  if (m.error) { li.classList.add("failed"); li.dataset.error = m.error; }
+  if (m.finish) li.dataset.finish = m.finish;
+  li.append(who, body, noteEl, messageActions(li, m, index));
   els.log.append(li);
   return { li, content: body, note: noteEl };
 }
 
-function messageActions(li, role) {
+function messageActions(li, m, index) {
   const bar = document.createElement("div");
   bar.className = "actions";
-  if (role === "user") {
-    bar.append(actionButton("Edit", "edit", () => startEdit(li)));
-  } else {
-    bar.append(
-      actionButton("Copy", "copy-answer", (e) => copyAnswer(li, e.currentTarget)),
-      actionButton("Regenerate", "regenerate", () => regenerate()),
-    );
+  const nav = versionNav(m, index);
+  if (nav) bar.append(nav);
+  if (m.role === "user") {
+    if (!m.remote) bar.append(actionButton("Edit", "edit", () => startEdit(li)));
+    return bar;
   }
+  bar.append(
+    actionButton("Copy", "copy-answer", (e) => copyAnswer(li, e.currentTarget)),
+    actionButton(m.error ? "Retry" : "Regenerate", "regenerate", () => regenerate()),
+  );
+  // Until the protocol has a `continue` message (one that extends the cut
+  // answer itself), Continue asks for the rest in a new turn, as a person would.
+  if (m.finish === "length") bar.append(actionButton("Continue", "continue", () => send("Continue")));
   return bar;
+}
+
+/** `‹ 1/2 ›` on a message that Regenerate or Edit gave several versions. */
+function versionNav(m, index) {
+  const v = versionsOf(m);
+  if (!v || index == null) return null;
+  const nav = document.createElement("span");
+  nav.className = "versions";
+  nav.setAttribute("role", "group");
+  nav.setAttribute("aria-label", `Version ${v.at + 1} of ${v.count}`);
+  const prev = actionButton("‹", "prev-version", () => showVersion(index, v.at - 1));
+  prev.setAttribute("aria-label", "Previous version");
+  prev.disabled = v.at === 0;
+  const label = document.createElement("span");
+  label.className = "version-label";
+  label.textContent = `${v.at + 1}/${v.count}`;
+  const next = actionButton("›", "next-version", () => showVersion(index, v.at + 1));
+  next.setAttribute("aria-label", "Next version");
+  next.disabled = v.at === v.count - 1;
+  nav.append(prev, label, next);
+  return nav;
+}
+
+function showVersion(index, at) {
+  if (turn && turn.active) return;
+  switchVersion(conv, index, at);
+  saveConv();
+  renderLog();
 }
 
 async function copyAnswer(li, button) {
@@ -188,21 +236,20 @@ async function copyAnswer(li, button) {
 
 function renderLog() {
   els.log.replaceChildren();
-  for (const m of conv.messages) renderMessage(m.role, m.content, m.note);
+  conv.messages.forEach((m, i) => renderMessage(m, i));
   refreshActions();
 }
 
 // Regenerate belongs to the last answer only; a question left without an answer
 // (refused, or the page closed before the server took it) can be retried.
 function refreshActions() {
-  for (const b of els.log.querySelectorAll(".regenerate, .retry")) {
+  for (const b of els.log.querySelectorAll(".regenerate, .retry, .continue")) {
     if (b.classList.contains("retry")) b.remove(); else b.hidden = true;
   }
   const last = els.log.lastElementChild;
   if (!last) return;
-  const regen = last.querySelector(".regenerate");
-  if (regen) regen.hidden = false;
-  else if (last.dataset.role === "user") last.querySelector(".actions").append(actionButton("Retry", "retry", () => regenerate()));
+  for (const b of last.querySelectorAll(".regenerate, .continue")) b.hidden = false;
+  if (last.dataset.role === "user" && !last.classList.contains("editing")) last.querySelector(".actions").append(actionButton("Retry", "retry", () => regenerate()));
 }
 
 function scrollToEnd(force = false) {
@@ -343,6 +390,7 @@ function openConversation(id) {
   restoreOrConnect();
   updateControls();
   scrollToEnd(true);
+  catchUp();
 }
 
 function restoreOrConnect() {
@@ -400,7 +448,8 @@ function onSpeedDelta(seq, time) {
 function attach(t) {
   turn = t;
   resetSpeed(t.seq);
-  view = renderMessage("assistant", t.text);
+  const { versions, at } = conv.pending || {};
+  view = renderMessage({ role: "assistant", content: t.text, versions, at }, conv.messages.length);
   view.md = new StreamingMarkdown(view.content);
   view.li.classList.add("streaming");
   view.li.setAttribute("aria-busy", "true");
@@ -414,7 +463,13 @@ function attach(t) {
     updateControls();
     scrollToEnd();
   });
-  t.addEventListener("session", () => { if (t === turn) { saveConv(); updateControls(); } });
+  t.addEventListener("session", () => {
+    if (t !== turn) return;
+    conv.lastSession = client.session;
+    conv.lastTurn = t.turn;
+    saveConv();
+    updateControls();
+  });
   t.addEventListener("paused", () => { if (t === turn) { view.note.textContent = "Paused"; updateControls(); } });
   t.addEventListener("done", (e) => { if (t === turn) finishTurn(e.detail); });
   t.addEventListener("error", (e) => {
@@ -432,55 +487,86 @@ function endView(finish) {
   view.li.dataset.finish = finish;
 }
 
+const FINISH_NOTE = {
+  cancelled: "Stopped",
+  length: "Cut off: the answer reached its length limit (Max new tokens, in Settings).",
+};
+
+// What went wrong, in words, for the answer it concerns (kept with it).
+const FAILED_TEXT = {
+  not_found: "The server no longer has this conversation (it restarted without keeping it, or it expired), so this answer was lost. Retry asks again in a new session.",
+  too_large: "Not answered: the conversation is longer than the model can read. Edit an earlier question, or start a new chat.",
+  overloaded: "Not answered: the server was busy. Retry in a moment.",
+  engine_unavailable: "Not answered: no model was running on the server. Retry in a moment.",
+  internal: "The server failed while answering this.",
+  conflict: "Not answered: another answer of this conversation was still being written (on another device?).",
+  unauthorized: "Not answered: the server refused the API key.",
+  bad_request: "The server refused the request",
+  connection_lost: "The connection to the server was lost before the answer was complete.",
+  client_closed: "The conversation was closed before the answer was complete.",
+};
+
+function failureText(error) {
+  const text = FAILED_TEXT[error.code] || "Something went wrong with this answer.";
+  return error.code === "bad_request" && error.message ? `${text}: ${error.message}` : text;
+}
+
+/** The message a turn leaves in the conversation, with its place on the server. */
+function answerMessage(content, extra) {
+  const m = { role: "assistant", content, ...extra };
+  if (turn && turn.turn != null) Object.assign(m, { session: client.session, turn: turn.turn });
+  if (conv.pending) Object.assign(m, conv.pending);
+  delete conv.pending;
+  return m;
+}
+
 function finishTurn(detail) {
   if (!view || detail.finishReason === "error") return; // failTurn handles it
-  const note = detail.finishReason === "cancelled" ? "Stopped" : "";
+  const finish = detail.finishReason || "";
+  const note = FINISH_NOTE[finish] || "";
   view.md.set(detail.text);
-  endView(detail.finishReason || "");
+  endView(finish);
   view.note.textContent = note;
-  conv.messages.push({ role: "assistant", content: detail.text, note });
-  saveConv();
-  view = null;
-  updateControls();
-  refreshActions();
-  if (document.activeElement === document.body) els.input.focus();
+  afterTurn(answerMessage(detail.text, { note, finish }));
 }
 
+// Whatever the server answered, the question and what came of it stay: a
+// refusal or a failure is an answer that says, in words, what happened.
 function failTurn(error) {
   if (!view) return;
+  const note = failureText(error);
   endView("error");
   view.li.classList.add("failed");
-  if (turn.seq === 0) {
-    // Nothing was generated: take the question back so it can be sent again.
-    view.li.remove();
-    const last = conv.messages[conv.messages.length - 1];
-    if (last && last.role === "user") {
-      conv.messages.pop();
-      els.log.lastElementChild?.remove();
-      if (!els.input.value) els.input.value = last.content;
-    }
-  } else {
-    view.note.textContent = `Failed: ${error.code}`;
-    conv.messages.push({ role: "assistant", content: turn.text, note: `Failed: ${error.code}` });
-  }
-  if (conv.messages.length) saveConv();
-  else forgetEmptyConversation();
-  view = null;
-  updateControls();
-  refreshActions();
+  view.note.textContent = note;
+  view.li.dataset.error = error.code;
+  afterTurn(answerMessage(turn.text, { note, finish: "error", error: error.code }));
 }
 
-function forgetEmptyConversation() {
-  store.remove(conv.id);
-  if (location.hash) history.replaceState(null, "", location.pathname + location.search);
-  els.title.textContent = "wsinfer chat";
-  renderList();
+/** The turn's answer `m` joins the conversation; its view keeps its place (and data-seq). */
+function afterTurn(m) {
+  const followed = turn && turn.restored;
+  conv.messages.push(m);
+  saveConv();
+  view.li.querySelector(".actions").replaceWith(messageActions(view.li, m, conv.messages.length - 1));
+  view = null;
+  refreshActions();
+  updateControls();
+  if (document.activeElement === document.body) els.input.focus();
+  if (followed) catchUp(); // another device may have gone on meanwhile
 }
 
 /** The whole conversation for a new session: system prompt first. */
 function fullHistory() {
-  const history = conv.messages.filter((m) => m.content).map(({ role, content }) => ({ role, content }));
+  const history = conv.messages.filter((m) => m.content && !m.error).map(({ role, content }) => ({ role, content }));
   return settings.system.trim() ? [{ role: "system", content: settings.system }, ...history] : history;
+}
+
+// The server's history of the session is the shown path while the path's
+// latest turn is the session's latest: after a switch to another version it
+// is not, and the next question starts a session with the path's history.
+function pathIsSession() {
+  const last = conv.messages.findLast((m) => m.turn != null);
+  return !last || (last.session === client.session && last.turn === conv.lastTurn);
 }
 
 function startTurn(messages) {
@@ -492,18 +578,18 @@ function startTurn(messages) {
   }
 }
 
-function send() {
-  const text = els.input.value.trim();
+function send(asked = null) {
+  const text = asked ?? els.input.value.trim();
   if (!text || (turn && turn.active)) return;
   showError(null);
   if (!conv.messages.length) conv.title = titleFor(text);
+  if (client.session && !pathIsSession()) client.close();
   conv.messages.push({ role: "user", content: text });
   // A live session keeps the history server-side; a new one needs it all.
   const t = startTurn(client.session ? [{ role: "user", content: text }] : fullHistory());
   if (!t) { conv.messages.pop(); return; }
-  renderMessage("user", text);
-  els.input.value = "";
-  autoGrow();
+  renderMessage(conv.messages.at(-1), conv.messages.length - 1);
+  if (asked === null) { els.input.value = ""; autoGrow(); }
   attach(t);
   saveConv();
   scrollToEnd(true);
@@ -524,9 +610,18 @@ function resendAll() {
   scrollToEnd(true);
 }
 
+/** A new version of the last answer; the old one stays, behind `‹ n/m ›`. */
 function regenerate() {
   if (turn && turn.active) return;
-  while (conv.messages.length && conv.messages[conv.messages.length - 1].role === "assistant") conv.messages.pop();
+  const i = conv.messages.length - 1;
+  const last = conv.messages[i];
+  if (!last) return;
+  if (last.role === "assistant" && last.error && !last.content) {
+    conv.messages.pop(); // a refusal is no version worth keeping: its place is the new answer's
+    if (last.versions) conv.pending = { versions: last.versions, at: last.at };
+  } else if (last.role === "assistant") {
+    conv.pending = fork(conv, i);
+  }
   if (!conv.messages.length) return;
   resendAll();
 }
@@ -553,12 +648,163 @@ function startEdit(li) {
   box.focus();
 }
 
+/** An edited question branches: what followed the old one stays behind `‹ n/m ›`. */
 function finishEdit(index, text) {
   text = text.trim();
   if (!text || (turn && turn.active)) return;
-  conv.messages = [...conv.messages.slice(0, index), { role: "user", content: text }];
+  const { versions, at } = fork(conv, index);
+  conv.messages.push({ role: "user", content: text, versions, at });
   if (index === 0) conv.title = titleFor(text);
   resendAll();
+}
+
+// ---- continue on another device ----------------------------------------------
+// The link's fragment carries the session id, its token and the conversation
+// (store.js packLink): the other browser writes them where its WsinferClient
+// keeps a session, so restoreTurn() follows the answer in flight, live, as one
+// more follower, and its next question is one more turn of the same session.
+
+const QR_MAX_CHARS = 1800; // denser codes are hard to scan from a screen
+
+async function linkFor() {
+  const live = turn && turn.active && turn.turn != null ? turn.turn : null;
+  const payload = {
+    v: 1, s: client.session, k: client.sessionToken, n: conv.title, t: live, l: conv.lastTurn ?? null,
+    p: live != null && turn.status === "paused" ? 1 : 0,
+    m: conv.messages.map(({ role, content, note, finish, error, turn: n, remote }) => ({ role, content, note, finish, error, turn: n, remote })),
+  };
+  payload.m.forEach((m) => { if (m.turn != null) m.session = client.session; });
+  const base = `${location.origin}${location.pathname}#follow=`;
+  let link = base + (await packLink(payload));
+  // Too long for a link: carry the latest messages only, and say so.
+  while (link.length > MAX_LINK_CHARS && payload.m.length > 2) {
+    const drop = Math.max(1, Math.floor(payload.m.length / 4));
+    payload.m = payload.m.slice(drop);
+    payload.d = (payload.d || 0) + drop;
+    link = base + (await packLink(payload));
+  }
+  return { link, dropped: payload.d || 0, fits: link.length <= MAX_LINK_CHARS };
+}
+
+async function openShare() {
+  els.shareQr.replaceChildren();
+  els.shareLink.value = "";
+  els.shareBody.hidden = !client.session;
+  els.shareNote.textContent = client.session ? "" : "Send a message first: the link follows this conversation's session on the server.";
+  if (!els.shareDialog.open) els.shareDialog.showModal();
+  if (!client.session) return;
+  const { link, dropped, fits } = await linkFor();
+  if (!fits) {
+    els.shareBody.hidden = true;
+    els.shareNote.textContent = "This conversation's latest messages are too long to carry in a link.";
+    return;
+  }
+  els.shareLink.value = link;
+  const notes = [];
+  if (dropped) notes.push(`The conversation is too long for a link: it carries the latest ${conv.messages.length - dropped} messages; the ${dropped} before them stay on this device.`);
+  if (link.length <= QR_MAX_CHARS) await drawQr(link);
+  else notes.push("The link is too long for a QR code: copy it instead.");
+  els.shareNote.textContent = notes.join(" ");
+}
+
+async function drawQr(link) {
+  const { renderSVG } = await import("uqr");
+  // The SVG is the library's drawing of modules, with nothing of ours in it but colours.
+  els.shareQr.innerHTML = renderSVG(link, { ecc: "L", border: 2, pixelSize: 4, whiteColor: "#ffffff", blackColor: "#000000" });
+}
+
+async function copyLink() {
+  try {
+    await navigator.clipboard.writeText(els.shareLink.value);
+    els.copyLink.textContent = "Copied";
+  } catch {
+    els.shareLink.select();
+    els.copyLink.textContent = "Select and copy";
+  }
+  setTimeout(() => { els.copyLink.textContent = "Copy link"; }, 1500);
+}
+
+/** Where this browser's WsinferClient for conversation `id` finds the session to follow. */
+function followIn(id, session, token, turnNo = null, paused = false) {
+  const url = new WsinferClient({ storage: { getItem: () => null, setItem() {}, removeItem() {} } }).url;
+  const state = { url, session, token };
+  if (turnNo != null) Object.assign(state, { turn: turnNo, seq: 0, text: "", status: paused ? "paused" : "running" });
+  store.storage.setItem(clientKey(id), JSON.stringify(state));
+}
+
+const linkMessage = (m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string";
+
+/** A conversation from a `#follow=` link (its id), or null with the reason shown. */
+async function importLink(text) {
+  history.replaceState(null, "", location.pathname + location.search); // the token leaves the address bar
+  let p;
+  try {
+    p = await unpackLink(text);
+  } catch {
+    p = null;
+  }
+  if (!p || p.v !== 1 || typeof p.s !== "string" || typeof p.k !== "string" || !Array.isArray(p.m)) {
+    linkNotice = "This link is cut or damaged: copy it again from the other device.";
+    return null;
+  }
+  const known = store.list().find((c) => c.session === p.s);
+  if (known) return known.id; // already followed here (or the link's own device)
+  const c = newConversation();
+  c.title = typeof p.n === "string" ? p.n : "Shared chat";
+  c.messages = p.m.filter(linkMessage);
+  if (p.d) c.messages.unshift({ role: "user", content: "", remote: `${p.d} earlier messages stayed on the other device: the link can carry only so much.` });
+  c.lastSession = p.s;
+  c.lastTurn = p.t ?? p.l ?? null;
+  followIn(c.id, p.s, p.k, p.t ?? null, p.p === 1);
+  store.save(c, p.s);
+  return c.id;
+}
+
+function showNotice(text) {
+  els.error.dataset.code = "";
+  els.error.textContent = text;
+  els.error.hidden = false;
+}
+
+async function sessionInfo(session, token) {
+  const headers = { "X-Wsinfer-Token": token };
+  if (apiKey) headers.Authorization = `Bearer ${apiKey}`;
+  try {
+    const r = await fetch(`/v1/sessions/${encodeURIComponent(session)}`, { headers, cache: "no-store" });
+    return r.ok ? await r.json() : null;
+  } catch {
+    return null;
+  }
+}
+
+let catchingUp = false;
+
+/**
+ * Turns of this session that another device started: follow the next one
+ * (its answer replayed, then live). The server gives answers back, not
+ * questions, so such a question shows as asked elsewhere.
+ */
+async function catchUp() {
+  const c = client;
+  if (catchingUp || !c || !c.session || (turn && turn.active) || conv.lastSession !== c.session || conv.lastTurn == null || !pathIsSession()) return;
+  catchingUp = true;
+  try {
+    const info = await sessionInfo(c.session, c.sessionToken);
+    if (!info || c !== client || (turn && turn.active) || !(info.turn > conv.lastTurn)) return;
+    if (conv.messages.at(-1)?.role !== "user") conv.messages.push({ role: "user", content: "", remote: true });
+    conv.lastTurn += 1;
+    followIn(conv.id, c.session, c.sessionToken, conv.lastTurn, info.status === "paused" && info.turn === conv.lastTurn);
+    saveConv();
+    client = null;
+    c.disconnect();
+    client = makeClient(conv.id);
+    renderLog();
+    restoreOrConnect();
+    updateControls();
+    scrollToEnd(true);
+  } finally {
+    catchingUp = false;
+  }
 }
 
 // ---- wiring --------------------------------------------------------------------
@@ -582,6 +828,11 @@ function closeSidebar() {
 
 function wire() {
   els.form.addEventListener("submit", (e) => { e.preventDefault(); send(); });
+  els.share.addEventListener("click", openShare);
+  els.copyLink.addEventListener("click", copyLink);
+  // Back on this page: another device may have gone on with the conversation.
+  document.addEventListener("visibilitychange", () => { if (!document.hidden) catchUp(); });
+  window.addEventListener("focus", () => catchUp());
   els.input.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
   });
@@ -620,7 +871,14 @@ applySettings();
 if (query.has("max_new_tokens")) els.maxNew.value = query.get("max_new_tokens");
 if (query.has("temperature")) els.temperature.value = query.get("temperature");
 wire();
-openConversation(new URLSearchParams(location.hash.slice(1)).get("c"));
+let linkNotice = null;
+
+async function boot() {
+  const hash = new URLSearchParams(location.hash.slice(1));
+  openConversation(hash.has("follow") ? await importLink(hash.get("follow")) : hash.get("c"));
+  if (linkNotice) showNotice(linkNotice);
+}
+boot();
 window.wsinferChat = {
   get client() { return client; },
   get turn() { return turn; },

@@ -111,3 +111,83 @@ export function titleFor(text) {
   const line = text.trim().split("\n")[0];
   return line.length > 60 ? `${line.slice(0, 57)}…` : line || "New chat";
 }
+
+// ---- versions: Regenerate and Edit keep what they replace --------------------------
+// conv.messages is the path the page shows. Where the conversation forks, the
+// message at the fork carries `versions` (one tail of messages per version,
+// from that message to the end of its branch; the shown one is null, since it
+// is the path itself) and `at`, the index of the shown one. Tails nest: a
+// branch may fork again further down.
+
+/** The message's version count and the shown one's index, or null if it has one version. */
+export function versionsOf(m) {
+  return m && Array.isArray(m.versions) && m.versions.length > 1 ? { at: m.at ?? 0, count: m.versions.length } : null;
+}
+
+// The tail from index i, as a version, into the list of versions it belongs to.
+function detach(messages, i) {
+  const tail = messages.slice(i);
+  const head = { ...tail[0] };
+  const versions = Array.isArray(head.versions) ? head.versions.slice() : [null];
+  versions[head.at ?? 0] = tail;
+  delete head.versions;
+  delete head.at;
+  tail[0] = head;
+  return versions;
+}
+
+/**
+ * Keep the path from index i on as a version and cut it off the shown path:
+ * returns {versions, at} for the message that takes index i next.
+ */
+export function fork(conv, i) {
+  const versions = detach(conv.messages, i);
+  versions.push(null);
+  conv.messages = conv.messages.slice(0, i);
+  return { versions, at: versions.length - 1 };
+}
+
+/** Show version j of the fork at index i (and the rest of that branch). */
+export function switchVersion(conv, i, j) {
+  const versions = detach(conv.messages, i);
+  const tail = versions[j];
+  if (!tail) return;
+  versions[j] = null;
+  conv.messages = [...conv.messages.slice(0, i), { ...tail[0], versions, at: j }, ...tail.slice(1)];
+}
+
+// ---- links that carry a conversation to another device ---------------------------
+// The link's fragment (#follow=...) holds the session id, its token and the
+// conversation so far, deflated and base64url-encoded: a fragment never
+// reaches a server or its logs. The server has no route that gives a
+// session's messages back, so the link carries them, up to MAX_LINK_CHARS.
+
+export const MAX_LINK_CHARS = 64 * 1024;
+
+async function pipe(bytes, stream) {
+  const out = new Blob([bytes]).stream().pipeThrough(stream);
+  return new Uint8Array(await new Response(out).arrayBuffer());
+}
+
+function toBase64Url(bytes) {
+  let s = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) s += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(s).replaceAll("+", "-").replaceAll("/", "_").replace(/=+$/, "");
+}
+
+function fromBase64Url(text) {
+  const s = atob(text.replaceAll("-", "+").replaceAll("_", "/"));
+  return Uint8Array.from(s, (c) => c.charCodeAt(0));
+}
+
+/** The fragment's value for `payload` (any JSON). */
+export async function packLink(payload) {
+  const json = new TextEncoder().encode(JSON.stringify(payload));
+  return toBase64Url(await pipe(json, new CompressionStream("deflate-raw")));
+}
+
+/** The payload of a fragment value; throws on one that is cut or garbled. */
+export async function unpackLink(text) {
+  const bytes = await pipe(fromBase64Url(text), new DecompressionStream("deflate-raw"));
+  return JSON.parse(new TextDecoder().decode(bytes));
+}

@@ -58,15 +58,20 @@ async def test_refusal_is_readable_and_question_kept(
     error = await page.text_content("#error")
     assert error is not None and "busy" in error and "3 s" in error and "overloaded" in error
     assert await page.get_attribute("#error", "role") == "alert"
-    # The refused question goes back into the box and out of the history.
-    assert await page.input_value("#input") == "hello?"
-    assert await page.locator("li.msg").count() == 0
+    # The refused question stays, with an answer that says in words what happened.
+    assert await page.locator("li.msg").count() == 2
+    assert await page.text_content("li.msg.user .content") == "hello?"
+    failed = "li.msg.assistant.failed:last-child"
+    assert "the server was busy" in (await page.text_content(f"{failed} .note") or "")
+    assert await page.get_attribute(failed, "data-error") == "overloaded"
     assert await controls(page) == {"send": True, "stop": False, "pause": False, "resume": False}
     await screenshot(page, "standin-overloaded")
-    # Sending again works and clears the error.
-    await page.press("#input", "Enter")
+    # Retry asks again in its place (a refusal is not kept as a version), and clears the error.
+    await page.click(f"{failed} .regenerate")
     assert await wait_done(page) == "length"
     assert await answer_text(page) == expected(20)
+    assert await page.locator("li.msg").count() == 2
+    assert await page.locator(".versions").count() == 0
     assert await page.is_hidden("#error")
 
 
