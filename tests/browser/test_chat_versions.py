@@ -1,0 +1,182 @@
+"""The chat page keeps what happened, against the stand-in (whose every answer
+is cut at max_new_tokens, so every answer here is a cut one): Continue on a cut
+answer, versions from Regenerate and branches from Edit (switchable, kept over
+a reload), and refusals and failures kept with their words and colour."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from tests.clients.standin import StandIn, word_text
+
+from .helpers import LAST_ANSWER, answer_text, ask, screenshot, wait_done
+
+
+@pytest.fixture
+async def standin() -> AsyncIterator[tuple[StandIn, int]]:
+    server = StandIn(delay=0.005, default_tokens=5, serve_files=True)
+    port = (await server.start()).port
+    yield server, port
+    await server.stop()
+
+
+def generates(server: StandIn) -> list[dict[str, Any]]:
+    return [m for m in server.received if m["type"] == "generate"]
+
+
+def words(n: int) -> str:
+    return "".join(word_text(i) for i in range(1, n + 1))
+
+
+async def shown(page: Any) -> list[str]:
+    return list(
+        await page.locator("li.msg .content").evaluate_all("els => els.map((e) => e.source)")
+    )
+
+
+async def label(page: Any, message: str) -> str:
+    return str(await page.text_content(f"{message} .version-label"))
+
+
+async def wait_messages(page: Any, n: int) -> None:
+    await page.wait_for_function(
+        "n => document.querySelectorAll('li.msg').length === n"
+        " && document.querySelector('li.msg:last-child').dataset.finish",
+        arg=n,
+    )
+
+
+async def test_a_cut_answer_is_marked_and_continues(
+    make_page: Any, standin: tuple[StandIn, int]
+) -> None:
+    server, port = standin
+    page = await make_page()
+    await page.goto(f"http://127.0.0.1:{port}/?max_new_tokens=5")
+    await ask(page, "one")
+    assert await wait_done(page) == "length"
+    assert "Cut off" in (await page.text_content(f"{LAST_ANSWER} .note") or "")
+    assert await page.locator(".continue:visible").count() == 1
+    session = await page.evaluate("window.wsinferChat.client.session")
+    await page.click(f"{LAST_ANSWER} .continue")
+    await wait_messages(page, 4)
+    # No `continue` message in the protocol yet: a new turn of the same session asks for it.
+    asked = generates(server)[-1]
+    assert asked["session"] == session
+    assert asked["messages"] == [{"role": "user", "content": "Continue"}]
+    assert await page.locator(".continue:visible").count() == 1  # the last answer's only
+    await page.reload()
+    await wait_messages(page, 4)
+    assert await page.get_attribute("li.msg.assistant >> nth=0", "data-finish") == "length"
+    assert "Cut off" in (await page.text_content("li.msg.assistant >> nth=0 >> .note") or "")
+
+
+async def test_regenerate_keeps_versions_and_edit_branches(
+    make_page: Any, standin: tuple[StandIn, int]
+) -> None:
+    server, port = standin
+    page = await make_page()
+    await page.goto(f"http://127.0.0.1:{port}/?max_new_tokens=5")
+    server.pieces = ["first"]
+    await ask(page, "q")
+    await wait_messages(page, 2)
+    assert await page.locator(".versions").count() == 0
+    server.pieces = ["second"]
+    await page.click(f"{LAST_ANSWER} .regenerate")
+    await wait_messages(page, 2)
+    assert await shown(page) == ["q", "second"]
+    assert await label(page, LAST_ANSWER) == "2/2"
+    await page.click(f"{LAST_ANSWER} .prev-version")
+    assert await shown(page) == ["q", "first"]
+    assert await label(page, LAST_ANSWER) == "1/2"
+    await page.reload()  # the versions are kept in the page's storage
+    await wait_messages(page, 2)
+    assert await shown(page) == ["q", "first"] and await label(page, LAST_ANSWER) == "1/2"
+    await page.click(f"{LAST_ANSWER} .next-version")
+    assert await shown(page) == ["q", "second"]
+
+    # Editing the question branches: the old question, with its answers, stays.
+    server.pieces = ["third"]
+    await page.click("li.msg.user .edit")
+    await page.fill("li.msg.user .edit-box", "q2")
+    await page.press("li.msg.user .edit-box", "Enter")
+    await wait_messages(page, 2)
+    assert await shown(page) == ["q2", "third"]
+    assert await label(page, "li.msg.user") == "2/2"
+    assert await page.locator(f"{LAST_ANSWER} .versions").count() == 0
+    await screenshot(page, "versions-edited")
+    await page.click("li.msg.user .prev-version")
+    assert await shown(page) == ["q", "second"]
+    assert await label(page, "li.msg.user") == "1/2" and await label(page, LAST_ANSWER) == "2/2"
+
+    # A question on the old branch: a new session with that branch's history.
+    closes = sum(1 for m in server.received if m["type"] == "close")
+    server.pieces = ["fourth"]
+    await ask(page, "more")
+    await wait_messages(page, 4)
+    asked = generates(server)[-1]
+    assert "session" not in asked
+    assert asked["messages"] == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "second"},
+        {"role": "user", "content": "more"},
+    ]
+    assert sum(1 for m in server.received if m["type"] == "close") == closes + 1
+    await page.reload()
+    await wait_messages(page, 4)
+    assert await shown(page) == ["q", "second", "more", "fourth"]
+    await page.click("li.msg.user >> nth=0 >> .next-version")
+    assert await shown(page) == ["q2", "third"]
+
+
+async def test_refusals_and_failures_keep_every_message_in_words(
+    make_page: Any, standin: tuple[StandIn, int], proxy_to: Any
+) -> None:
+    server, port = standin
+    proxy = await proxy_to(port)
+    page = await make_page()
+    await page.goto(f"http://127.0.0.1:{proxy.port}/?max_new_tokens=5")
+    await ask(page, "hello")
+    await wait_messages(page, 2)
+    server.refuse_generate = {"code": "too_large", "message": "prompt too long"}
+    await ask(page, "a long question")
+    await wait_messages(page, 4)
+    assert (await shown(page))[:3] == ["hello", words(5), "a long question"]
+    failed = "li.msg.assistant.failed:last-child"
+    note = await page.text_content(f"{failed} .note") or ""
+    assert "longer than the model can read" in note and "too_large" not in note
+    # A failure mid-answer keeps what was written.
+    await page.click(f"{failed} .regenerate")  # Retry: in place of the refusal
+    await wait_messages(page, 4)
+    await ask(page, "FAIL")
+    await wait_messages(page, 6)
+    assert await answer_text(page) == words(5)
+    assert "no model was running" in (await page.text_content(f"{failed} .note") or "")
+
+    # The server lost the session while an answer was coming: said so, in words.
+    server.delay = 0.05
+    await ask(page, "and then?")
+    await page.wait_for_selector(f"{LAST_ANSWER}[data-seq='1']")
+    server.sessions.clear()
+    proxy.cut()
+    await wait_messages(page, 8)
+    assert await page.get_attribute(LAST_ANSWER, "data-error") == "not_found"
+    note = await page.text_content(f"{failed} .note") or ""
+    assert "The server no longer has this conversation" in note and "lost" in note
+    await screenshot(page, "failures-kept")
+
+    # After a reload: every message, each failure still red and in words.
+    bad = await page.evaluate("getComputedStyle(document.querySelector('.msg.failed .note')).color")
+    await page.reload()
+    await wait_messages(page, 8)
+    assert len(await shown(page)) == 8
+    errors = await page.locator("li.msg.failed").evaluate_all(
+        "els => els.map((e) => e.dataset.error)"
+    )
+    assert errors == ["engine_unavailable", "not_found"]
+    colours = await page.locator("li.msg.failed .note").evaluate_all(
+        "els => els.map((e) => getComputedStyle(e).color)"
+    )
+    assert colours == [bad, bad] and bad == "rgb(179, 38, 30)"
