@@ -235,14 +235,18 @@ def test_the_door_hands_a_bodiless_handshake_straight_to_websockets() -> None:
     assert not door._is_websocket(handshake(("Transfer-Encoding", "chunked")))
 
 
-async def test_head_gets_405_without_a_body_and_the_connection_goes_on(
+async def test_head_is_get_without_a_body_on_the_plain_routes_and_405_on_the_api(
     serve: tuple[int, Path, int],
 ) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", serve[0])
-    for path in (b"/v1/models", b"/healthz", b"/"):
+    for path, expected in ((b"/v1/models", 405), (b"/healthz", 200), (b"/", 200)):
+        writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        _, _, got = await read_response(reader)
         writer.write(b"HEAD " + path + b" HTTP/1.1\r\nHost: localhost\r\n\r\n")
         status, headers, _ = await read_response(reader, head_only=True)
-        assert status == 405 and int(headers["content-length"]) > 0
+        assert status == expected and int(headers["content-length"]) > 0
+        if expected == 200:  # a monitor's HEAD /healthz: the GET's head, no body
+            assert int(headers["content-length"]) == len(got)
     writer.write(MODELS)  # nothing of a body was sent: the next answer is whole
     status, _, body = await read_response(reader)
     assert status == 200 and json.loads(body)["object"] == "list"

@@ -162,12 +162,13 @@ class HttpApp:
         raise OpenAIError(404, f"no route {shorten(path)}", code="not_found")
 
     async def _plain(self, request: HttpRequest) -> HttpResponse:
-        if request.method != "GET":
+        # HEAD as GET: the connection sends only the head (a monitor's health check).
+        if request.method not in ("GET", "HEAD"):
             path = request_path(request.target)  # the key first: then what is not allowed
             public = is_public(path)
             self.frontend.access.check(request.headers, request.target, needs_key=not public)
             message = f"{request.method} is not allowed on {shorten(path)}"
-            raise OpenAIError(405, message, code="method", headers=[("Allow", "GET")])
+            raise OpenAIError(405, message, code="method", headers=[("Allow", "GET, HEAD")])
         as_handshake = Request(request.target, request.headers)
         answer = await self.frontend.routes.answer(as_handshake)
         if answer is None:  # /v1/ws, authorized, but not a WebSocket handshake
