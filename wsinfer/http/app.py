@@ -50,6 +50,7 @@ from wsinfer.http.openai import (
 from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
 from wsinfer.http.responses import loggable
 from wsinfer.http.responses_routes import ResponsesRoutes
+from wsinfer.http.tgi_routes import TgiRoutes, is_tgi
 from wsinfer.messages import Resume, SessionCommand
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class HttpApp:
             (re.compile(r"/v1/chat/completions"), {"POST": self.chat_completions}),
             (re.compile(r"/v1/completions"), {"POST": self.completions}),
             *ResponsesRoutes(self).routes(),
+            *TgiRoutes(self).routes(),
             (re.compile(r"/v1/models"), {"GET": self.models}),
             (re.compile(r"/v1/models/(?P<model>[^/]+)"), {"GET": self.model}),
             (
@@ -142,7 +144,8 @@ class HttpApp:
 
     async def _route(self, request: HttpRequest) -> HttpResponse:
         path = request_path(request.target)
-        if not path.startswith("/v1/") or path == "/v1/ws":
+        tgi = is_tgi(request.method, path)  # TGI's routes live outside /v1/
+        if (not path.startswith("/v1/") or path == "/v1/ws") and not tgi:
             return await self._plain(request)
         access = self.frontend.access
         # A browser's preflight carries no credentials: it is answered before the key.
