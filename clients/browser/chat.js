@@ -7,8 +7,8 @@
 import { WsinferClient } from "wsinfer-client";
 import { renderMarkdown, StreamingMarkdown } from "./markdown.js";
 import {
-  ChatStore, clientKey, fork, MAX_LINK_CHARS, newConversation, packLink, switchVersion, titleFor,
-  unpackLink, versionsOf,
+  ChatStore, clientKey, conversationFromLink, failureText, FINISH_NOTE, fork, linkPayload, MAX_LINK_CHARS,
+  newConversation, packLink, switchVersion, titleFor, unpackLink, validLink, versionsOf,
 } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
@@ -487,30 +487,6 @@ function endView(finish) {
   view.li.dataset.finish = finish;
 }
 
-const FINISH_NOTE = {
-  cancelled: "Stopped",
-  length: "Cut off: the answer reached its length limit (Max new tokens, in Settings).",
-};
-
-// What went wrong, in words, for the answer it concerns (kept with it).
-const FAILED_TEXT = {
-  not_found: "The server no longer has this conversation (it restarted without keeping it, or it expired), so this answer was lost. Retry asks again in a new session.",
-  too_large: "Not answered: the conversation is longer than the model can read. Edit an earlier question, or start a new chat.",
-  overloaded: "Not answered: the server was busy. Retry in a moment.",
-  engine_unavailable: "Not answered: no model was running on the server. Retry in a moment.",
-  internal: "The server failed while answering this.",
-  conflict: "Not answered: another answer of this conversation was still being written (on another device?).",
-  unauthorized: "Not answered: the server refused the API key.",
-  bad_request: "The server refused the request",
-  connection_lost: "The connection to the server was lost before the answer was complete.",
-  client_closed: "The conversation was closed before the answer was complete.",
-};
-
-function failureText(error) {
-  const text = FAILED_TEXT[error.code] || "Something went wrong with this answer.";
-  return error.code === "bad_request" && error.message ? `${text}: ${error.message}` : text;
-}
-
 /** The message a turn leaves in the conversation, with its place on the server. */
 function answerMessage(content, extra) {
   const m = { role: "assistant", content, ...extra };
@@ -551,6 +527,7 @@ function afterTurn(m) {
   view = null;
   refreshActions();
   updateControls();
+  scrollToEnd();
   if (document.activeElement === document.body) els.input.focus();
   if (followed) catchUp(); // another device may have gone on meanwhile
 }
@@ -668,12 +645,8 @@ const QR_MAX_CHARS = 1800; // denser codes are hard to scan from a screen
 
 async function linkFor() {
   const live = turn && turn.active && turn.turn != null ? turn.turn : null;
-  const payload = {
-    v: 1, s: client.session, k: client.sessionToken, n: conv.title, t: live, l: conv.lastTurn ?? null,
-    p: live != null && turn.status === "paused" ? 1 : 0,
-    m: conv.messages.map(({ role, content, note, finish, error, turn: n, remote }) => ({ role, content, note, finish, error, turn: n, remote })),
-  };
-  payload.m.forEach((m) => { if (m.turn != null) m.session = client.session; });
+  const paused = live != null && turn.status === "paused";
+  const payload = linkPayload(conv, client.session, client.sessionToken, live, paused);
   const base = `${location.origin}${location.pathname}#follow=`;
   let link = base + (await packLink(payload));
   // Too long for a link: carry the latest messages only, and say so.
@@ -732,8 +705,6 @@ function followIn(id, session, token, turnNo = null, paused = false) {
   store.storage.setItem(clientKey(id), JSON.stringify(state));
 }
 
-const linkMessage = (m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string";
-
 /** A conversation from a `#follow=` link (its id), or null with the reason shown. */
 async function importLink(text) {
   history.replaceState(null, "", location.pathname + location.search); // the token leaves the address bar
@@ -743,18 +714,13 @@ async function importLink(text) {
   } catch {
     p = null;
   }
-  if (!p || p.v !== 1 || typeof p.s !== "string" || typeof p.k !== "string" || !Array.isArray(p.m)) {
+  if (!validLink(p)) {
     linkNotice = "This link is cut or damaged: copy it again from the other device.";
     return null;
   }
   const known = store.list().find((c) => c.session === p.s);
   if (known) return known.id; // already followed here (or the link's own device)
-  const c = newConversation();
-  c.title = typeof p.n === "string" ? p.n : "Shared chat";
-  c.messages = p.m.filter(linkMessage);
-  if (p.d) c.messages.unshift({ role: "user", content: "", remote: `${p.d} earlier messages stayed on the other device: the link can carry only so much.` });
-  c.lastSession = p.s;
-  c.lastTurn = p.t ?? p.l ?? null;
+  const c = conversationFromLink(p);
   followIn(c.id, p.s, p.k, p.t ?? null, p.p === 1);
   store.save(c, p.s);
   return c.id;

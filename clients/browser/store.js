@@ -112,6 +112,32 @@ export function titleFor(text) {
   return line.length > 60 ? `${line.slice(0, 57)}…` : line || "New chat";
 }
 
+// ---- how an answer ended, in words (kept with the answer) -------------------------
+
+export const FINISH_NOTE = {
+  cancelled: "Stopped",
+  length: "Cut off: the answer reached its length limit (Max new tokens, in Settings).",
+};
+
+// What went wrong, in words, for the answer it concerns (kept with it).
+const FAILED_TEXT = {
+  not_found: "The server no longer has this conversation (it restarted without keeping it, or it expired), so this answer was lost. Retry asks again in a new session.",
+  too_large: "Not answered: the conversation is longer than the model can read. Edit an earlier question, or start a new chat.",
+  overloaded: "Not answered: the server was busy. Retry in a moment.",
+  engine_unavailable: "Not answered: no model was running on the server. Retry in a moment.",
+  internal: "The server failed while answering this.",
+  conflict: "Not answered: another answer of this conversation was still being written (on another device?).",
+  unauthorized: "Not answered: the server refused the API key.",
+  bad_request: "The server refused the request",
+  connection_lost: "The connection to the server was lost before the answer was complete.",
+  client_closed: "The conversation was closed before the answer was complete.",
+};
+
+export function failureText(error) {
+  const text = FAILED_TEXT[error.code] || "Something went wrong with this answer.";
+  return error.code === "bad_request" && error.message ? `${text}: ${error.message}` : text;
+}
+
 // ---- versions: Regenerate and Edit keep what they replace --------------------------
 // conv.messages is the path the page shows. Where the conversation forks, the
 // message at the fork carries `versions` (one tail of messages per version,
@@ -190,4 +216,35 @@ export async function packLink(payload) {
 export async function unpackLink(text) {
   const bytes = await pipe(fromBase64Url(text), new DecompressionStream("deflate-raw"));
   return JSON.parse(new TextDecoder().decode(bytes));
+}
+
+/**
+ * What a link carries: the session, its token, the turn being written (`t`,
+ * `p` if paused), the latest turn the page knows of (`l`) and the shown path.
+ * Notes and sessions are not carried: the other page derives them (a shorter
+ * QR code).
+ */
+export function linkPayload(conv, session, token, live, paused) {
+  const m = conv.messages.map(({ role, content, finish, error, turn, remote }) => ({ role, content, finish, error, turn, remote }));
+  return { v: 1, s: session, k: token, n: conv.title, t: live, p: paused ? 1 : 0, l: conv.lastTurn ?? null, m };
+}
+
+const linkMessage = (m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string";
+
+export function validLink(p) {
+  return Boolean(p) && p.v === 1 && typeof p.s === "string" && typeof p.k === "string" && Array.isArray(p.m);
+}
+
+/** A new conversation of this page from a link's payload. */
+export function conversationFromLink(p) {
+  const c = newConversation();
+  c.title = typeof p.n === "string" ? p.n : "Shared chat";
+  c.messages = p.m.filter(linkMessage).map((m) => {
+    const note = m.error ? failureText({ code: m.error }) : FINISH_NOTE[m.finish];
+    return { ...m, ...(note && { note }), ...(m.turn != null && { session: p.s }) };
+  });
+  if (p.d) c.messages.unshift({ role: "user", content: "", remote: `${p.d} earlier messages stayed on the other device: the link can carry only so much.` });
+  c.lastSession = p.s;
+  c.lastTurn = p.t ?? p.l ?? null;
+  return c;
 }
