@@ -16,7 +16,7 @@ import pytest
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError
 
-from tests.stack import start_serve, stop_serve
+from tests.stack import Client, joined, start_serve, stop_serve
 from wsinfer.errors import Overloaded
 from wsinfer.http.openai import OpenAIError
 from wsinfer.http.tgi import TgiError, TgiTurn, finish_reason, parse_tgi_request, turn_failure
@@ -138,7 +138,7 @@ async def cut_stream(
 
 @pytest.mark.slow
 async def test_a_dropped_stream_resumes_exactly_over_this_door_and_the_session_route(
-    http: httpx.AsyncClient, hub: InferenceClient
+    http: httpx.AsyncClient, hub: InferenceClient, serve: int
 ) -> None:
     whole = hub.text_generation(PROMPT, max_new_tokens=60)
     head, first = await cut_stream(http, keep=5)
@@ -167,6 +167,15 @@ async def test_a_dropped_stream_resumes_exactly_over_this_door_and_the_session_r
         if data.get("choices")
     ]
     assert tokens_text(first) + "".join(texts) == whole
+
+    # And by the WebSocket resume, from the same point.
+    client = await Client.open(serve, additional_headers={"Authorization": f"Bearer {KEY}"})
+    try:
+        await client.send(type="resume", session=session, token=token, after=after)
+        text, _ = joined(await client.until("done"), after)
+        assert tokens_text(first) + text == whole
+    finally:
+        await client.close()
 
     missing = await http.post("/generate_stream", json=body, headers={"Last-Event-ID": "3"})
     assert missing.status_code == 422 and missing.json()["error_type"] == "validation"
