@@ -1,6 +1,7 @@
 """Followers of a turn, as the exactly-once tests run them: each reconnects on its
 own after any drop and resumes from the last position it received, over a raw
-WebSocket ``resume``, the SSE stream with ``Last-Event-ID``, or the Python client.
+WebSocket ``resume``, the SSE stream with ``Last-Event-ID``, the Python client, or
+the Responses API's WebSocket mode (wsinfer's ``response.resume``).
 ``Follower.text`` is what it received, joined: a repeat or a gap shows in a
 comparison with the turn's known text.
 """
@@ -61,7 +62,7 @@ class Follower:
     progress: list[tuple[float, int]] = field(default_factory=list)
 
 
-# --- the three kinds of follower -------------------------------------------------------
+# --- the four kinds of follower --------------------------------------------------------
 
 
 async def follow_ws(f: Follower) -> None:
@@ -134,4 +135,41 @@ async def follow_python(f: Follower) -> None:
         await client.close()
 
 
-FOLLOW = {"ws": follow_ws, "sse": follow_sse, "python": follow_python}
+# A response's last event: its status (wsinfer/http/responses.py ``outcome``).
+RESPONSE_ENDS = {f"response.{s}" for s in ("completed", "incomplete", "cancelled", "failed")}
+
+
+async def follow_responses_ws(f: Follower) -> None:
+    """``response.resume`` on ``/v1/responses``; after a drop, again from the last
+    sequence number received. Turn 1 of the session is the response
+    ``resp_{session}_1_{token}``, its sequence numbers the turn's seq + 3."""
+    response_id = f"resp_{f.session}_1_{f.token}"
+    last = f.after + 3
+    url = f.cutter.ws_url.removesuffix("/v1/ws") + "/v1/responses"
+    while True:
+        try:
+            async with ws_connect(url) as ws:
+                resume = {"type": "response.resume", "response_id": response_id}
+                await ws.send(json.dumps({**resume, "starting_after": last}))
+                async for frame in ws:
+                    event = json.loads(frame)
+                    assert event["type"] != "error", event
+                    if event["type"] == "response.output_text.delta":
+                        f.text += event["delta"]  # a repeat or a gap shows in the comparison
+                        f.progress.append((time.monotonic(), len(f.text)))
+                    if event.get("sequence_number") is not None:
+                        last = max(last, event["sequence_number"])
+                    if event["type"] in RESPONSE_ENDS:
+                        return
+        except (OSError, WebSocketException):
+            pass
+        f.reconnects += 1
+        await asyncio.sleep(0.05)
+
+
+FOLLOW = {
+    "ws": follow_ws,
+    "sse": follow_sse,
+    "python": follow_python,
+    "responses_ws": follow_responses_ws,
+}

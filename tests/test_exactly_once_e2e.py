@@ -6,10 +6,11 @@ over from the token log goes on with the same words) through two frontends.
 Each turn gets 1-3 followers that join at random times and positions (0, the
 turn's current seq, or anywhere between: a follower behind another one on the
 same frontend is the case the fan-in once got wrong), over a raw WebSocket
-``resume``, the SSE stream with ``Last-Event-ID``, or the Python client's
-automatic resume. Each follower reaches the frontends through a ``Cutter`` of
-its own that aborts its connection at random times; one frontend and one
-engine are killed with -9 mid-run (the frontend comes back on its port).
+``resume``, the SSE stream with ``Last-Event-ID``, the Python client's
+automatic resume, or the Responses API's WebSocket mode (``response.resume``).
+Each follower reaches the frontends through a ``Cutter`` of its own that aborts
+its connection at random times; one frontend and one engine are killed with -9
+mid-run (the frontend comes back on its port).
 Every follower's joined text must equal the turn's text from its start.
 Seeded (``WSINFER_E2E_SEED``); the counts are printed.
 """
@@ -37,7 +38,7 @@ SESSIONS = 50
 RATE = 10  # tokens per second per turn
 TOKENS = 250  # so a turn streams for 25 s, the kills land mid-turn
 ENGINE_FLAGS = ("--max-batch-size", "64", "--threads", "1")
-KINDS = ("ws", "sse", "python")
+KINDS = ("ws", "sse", "python", "responses_ws")
 MEAN_CUT_S = 2.5  # mean time between two cuts of one follower's connection
 
 pytestmark = pytest.mark.timeout(240)

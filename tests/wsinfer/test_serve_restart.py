@@ -171,9 +171,11 @@ async def test_a_restart_mid_stream_loses_and_repeats_nothing(tmp_path: Path, ho
 async def follow_mid_stream(
     port: int, turns: list[tuple[str, str]]
 ) -> tuple[list[Follower], list[asyncio.Task[None]]]:
-    """A WebSocket or SSE follower for each turn, returned once each has 40 tokens."""
+    """A follower for each turn (WebSocket, SSE or the Responses socket, in turn),
+    returned once each has 40 tokens."""
+    kinds = ("ws", "sse", "responses_ws")
     followers = [
-        Follower("ws" if i % 2 else "sse", session, token, 0, Direct(port))
+        Follower(kinds[i % len(kinds)], session, token, 0, Direct(port))
         for i, (session, token) in enumerate(turns)
     ]
     tasks = [asyncio.create_task(FOLLOW[f.kind](f)) for f in followers]
