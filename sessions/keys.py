@@ -55,6 +55,13 @@ def engine_requests(engine_id: str) -> str:
     return f"{PREFIX}:{QUEUE_TAG}:engine:{engine_id}:requests"
 
 
+def engine_metrics(engine_id: str) -> str:
+    """String: the engine's metrics exposition, as its heartbeat last wrote it, for
+    the frontends' ``/metrics`` (one scrape sees every engine). With the queue's
+    hash tag, so that one MGET reads every engine's on a cluster too."""
+    return f"{PREFIX}:{QUEUE_TAG}:engine:{engine_id}:metrics"
+
+
 def frontend_wake(frontend_id: str) -> str:
     """Stream a frontend adds to so its own blocking fan-in XREAD returns early."""
     return f"{PREFIX}:{{{frontend_id}}}:frontend:wake"

@@ -415,6 +415,20 @@ class SessionStore:
     async def engines_alive(self, within_s: float) -> int:
         return int(await self.redis.zcount(keys.ENGINES, time.time() - within_s, "+inf"))
 
+    async def engine_metrics(self, within_s: float) -> dict[str, bytes]:
+        """The metrics exposition of each engine alive now, by engine id (an engine
+        that has not published one yet is left out)."""
+        names = await self.redis.zrangebyscore(keys.ENGINES, time.time() - within_s, "+inf")
+        ids = [as_str(name) for name in names]
+        if not ids:
+            return {}
+        texts = await self.redis.mget([keys.engine_metrics(i) for i in ids])
+        return {
+            i: t if isinstance(t, bytes) else str(t).encode()
+            for i, t in zip(ids, texts, strict=True)
+            if t is not None
+        }
+
     async def capacity(self, within_s: float) -> QueueState:
         """The engines alive now and the shared queue's counters, in one round trip."""
         pipe: Pipeline = self.redis.pipeline(transaction=False)

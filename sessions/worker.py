@@ -38,6 +38,10 @@ from wsinfer.sessions.scripting import ScriptCall, bound, load_scripts_once, run
 from wsinfer.sessions.scripts import ClaimCall, PublishCall, ReleaseCall, Reply
 from wsinfer.sessions.states import Action, allowed_from, target
 
+# An engine's metrics (``heartbeat``) outlive it this long: a few of its
+# publishes, so that a scrape never misses a live one and a dead one's go.
+METRICS_TTL_S = 20
+
 
 def _csv(statuses: list[Any]) -> str:
     return ",".join(s.value for s in statuses)
@@ -192,8 +196,10 @@ class WorkerStore:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    def heartbeat(self) -> int:
+    def heartbeat(self, metrics: bytes | None = None) -> int:
         """Say this engine is alive; the shared keys live while some engine does.
+        ``metrics``: its exposition for the frontends' ``/metrics``, kept a few
+        heartbeats (``METRICS_TTL_S``) so that a dead engine's go with it.
 
         The registry and the queues expire ``ttl_s`` after the last engine's
         last heartbeat: by then every session they could mention is gone too.
@@ -203,6 +209,8 @@ class WorkerStore:
         """
         pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(keys.ENGINES, {self.engine_id: time.time()})
+        if metrics is not None:
+            pipe.set(keys.engine_metrics(self.engine_id), metrics, ex=METRICS_TTL_S)
         for key in (keys.ENGINES, keys.REQUESTS, self.own_queue):
             pipe.expire(key, self.ttl_s)
         for queue in (keys.REQUESTS, self.own_queue):

@@ -25,6 +25,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import Metric
 
 from wsinfer.contract import DeltaMessage, ServerMessage
 
@@ -172,3 +173,49 @@ class TurnClock:
         elif message["seq"] > seq:
             self.metrics.inter_token.observe((now - last) / (message["seq"] - seq))
         self._turns[key] = (accepted, now, message["seq"], True)
+
+
+# --- the engines' series on the frontend's /metrics -----------------------------------
+
+ENGINE_PREFIX = "wsinfer_engine_"
+
+
+def with_engines(own: bytes, engines: dict[str, bytes]) -> bytes:
+    """The frontend's exposition and, after it, its engines' ``wsinfer_engine_*``
+    families (as each engine's heartbeat last published them, ``WorkerStore.
+    heartbeat``): one family per name across engines, each sample labelled with
+    its ``engine``. The engines' process and Python series are left out (they
+    would collide with the frontend's own). An exposition that does not parse is
+    skipped, not the scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    merged: dict[str, Metric] = {}
+    for engine_id, text in sorted(engines.items()):
+        try:
+            families = list(text_string_to_metric_families(text.decode()))
+        except (ValueError, UnicodeDecodeError):
+            continue
+        for family in families:
+            if not family.name.startswith(ENGINE_PREFIX):
+                continue
+            into = merged.setdefault(
+                family.name, Metric(family.name, family.documentation, family.type)
+            )
+            for sample in family.samples:
+                labels = {"engine": engine_id, **sample.labels}
+                into.add_sample(sample.name, labels, sample.value, sample.timestamp)
+    if not merged:
+        return own
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(merged.values())))
+    return own + generate_latest(registry)
+
+
+class _Families:
+    """A collector of families already built (the engines', merged)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families

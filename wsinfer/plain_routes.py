@@ -20,6 +20,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from wsinfer.access import Denied, is_public, request_path, shorten
+from wsinfer.metrics import with_engines
 
 if TYPE_CHECKING:
     from wsinfer.services import RouteServices
@@ -46,12 +47,23 @@ class PlainRoutes:
         if path == "/healthz":
             return await self.healthz()
         if path == "/metrics":
-            return response(HTTPStatus.OK, frontend.metrics.render(), "text/plain; version=0.0.4")
+            return response(HTTPStatus.OK, await self.metrics(), "text/plain; version=0.0.4")
         if path == "/":
             return static("index.html")
         if path.startswith("/static/"):
             return static(path.removeprefix("/static/"))
         return text(HTTPStatus.NOT_FOUND, "not found\n")
+
+    async def metrics(self) -> bytes:
+        """The frontend's series, then every live engine's (one scrape sees all)."""
+        frontend = self.frontend
+        own = frontend.metrics.render()
+        try:
+            engines = await frontend.store.engine_metrics(frontend.config.engine_heartbeat_s)
+        except aioredis.RedisError as exc:  # the frontend's own still answer
+            frontend.log_limited("warning", "metrics: redis unavailable", error=str(exc))
+            return own
+        return with_engines(own, engines)
 
     async def healthz(self) -> Response:
         frontend = self.frontend

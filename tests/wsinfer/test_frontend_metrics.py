@@ -99,3 +99,37 @@ async def test_connections_and_followed_sessions_agree_at_every_scrape(
         await asyncio.sleep(0.1)
     assert after[("wsinfer_connections", ())] == 0
     assert after[("wsinfer_active_sessions", ())] == 0  # at once, not at the next tick
+
+
+async def test_the_main_port_shows_the_engines_series_too(frontend: Frontend) -> None:
+    # The engine's heartbeat publishes its exposition (its first one at once).
+    async def engine_series() -> bool:
+        samples = await scrape(frontend.port)
+        return any(name.startswith("wsinfer_engine_") for name, _ in samples)
+
+    await until(engine_series, timeout_s=15, what="the engine's series on /metrics")
+    samples = await scrape(frontend.port)
+    info = [labels for name, labels in samples if name == "wsinfer_engine_info"]
+    assert len(info) == 1 and dict(info[0])["engine"]
+    assert ("wsinfer_engine_requests_running", (("engine", dict(info[0])["engine"]),)) in samples
+    assert any(name.startswith("wsinfer_") and "engine" not in name for name, _ in samples)
+
+
+def test_engines_expositions_merge_into_one_family_per_name() -> None:
+    from wsinfer.engine.metrics import EngineMetrics
+    from wsinfer.metrics import with_engines
+
+    engines = {}
+    for engine_id in ("ea", "eb"):
+        metrics = EngineMetrics(engine_id=engine_id)
+        metrics.attach(None, "m", "cpu")
+        engines[engine_id] = metrics.render()
+    engines["broken"] = b"this is { not an exposition\n"
+    own = b"# HELP wsinfer_x a frontend series\n# TYPE wsinfer_x gauge\nwsinfer_x 1.0\n"
+    text = with_engines(own, engines).decode()
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))  # one family per name
+    assert "wsinfer_x" in names and not any(n.startswith(("process_", "python_")) for n in names)
+    running = next(f for f in families if f.name == "wsinfer_engine_requests_running")
+    assert sorted(s.labels["engine"] for s in running.samples) == ["ea", "eb"]
