@@ -54,7 +54,10 @@ MIN_KEY_CHARS, MAX_KEY_CHARS = 16, 128
 
 @dataclass(frozen=True)
 class Limits:
-    max_prompt_chars: int = 32_000  # per generate: all message contents or the prompt
+    # Per generate, all message contents or the prompt: a cap against abuse only,
+    # under the 1 MiB frame. A prompt's real limit is the model's context, in
+    # tokens, which the engine checks (a ``done`` with error ``too_large``).
+    max_prompt_chars: int = 256_000
     max_messages: int = 256
 
 

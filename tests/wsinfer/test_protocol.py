@@ -140,6 +140,20 @@ def test_bad_messages_get_an_error_and_the_connection_stays_usable(
     assert isinstance(ok, SessionCommand)
 
 
+def test_the_character_cap_is_against_abuse_only_not_a_context_limit() -> None:
+    # A long conversation (here 200,000 characters) reaches the engine, which
+    # holds it to the model's context in tokens; only far beyond is it refused here.
+    import json
+
+    proto = json_proto()
+    long = {"type": "generate", "messages": [{"role": "user", "content": "a" * 200_000}]}
+    assert proto.receive(json.dumps(long)) is not None
+    too_long = {"type": "generate", "prompt": "a" * 256_001}
+    assert proto.receive(json.dumps(too_long)) is None
+    (error,) = sent(proto)
+    assert error["code"] == "too_large"
+
+
 def test_an_idempotency_key_is_16_to_128_characters() -> None:
     proto = json_proto()
     for key in ("k" * 16, "k" * 128):
