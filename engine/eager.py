@@ -31,7 +31,8 @@ from .lifecycle import CoreBase, EngineConfig, RequestOutput, Sequence
 from .logprobs import HostLogprobs, LogprobBuffers, host_copy, model_logprobs
 from .model import LoadedModel
 from .prefill import PrefillGroup, new_group, prefill_chunk
-from .sampling import RowSampling, sample, to_device
+from .sampler import sample
+from .sampling import RowSampling, to_device
 
 
 @dataclass(eq=False)

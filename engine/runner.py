@@ -33,11 +33,11 @@ from .kvpool import KVPool
 from .llama import FastLlama
 from .logprobs import LogprobBuffers, model_logprobs
 from .native import on_native_path, paged_attention
+from .sampler import sample_tokens
 from .sampling import (
     RowSampling,
     SamplingTensors,
     Variant,
-    sample_tokens,
     tensors_for,
     to_device,
     triton_available,

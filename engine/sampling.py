@@ -180,46 +180,6 @@ def tensors_for(rows: list[RowSampling], device: torch.device) -> SamplingTensor
     )
 
 
-def sample(
-    logits: torch.Tensor,
-    rows: list[RowSampling],
-    seen: torch.Tensor | None = None,
-    ends: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Next token per row of ``logits`` [B, V]; stays on the device (no sync).
-
-    ``seen`` [B, V] bool marks each row's context tokens, for repetition_penalty;
-    ``ends`` the end-of-sequence ids that ``min_tokens`` holds back.
-    """
-    variant = variant_of([r.params for r in rows])
-    return sample_tokens(logits, tensors_for(rows, logits.device), variant, seen, ends)
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    params: SamplingTensors,
-    variant: Variant,
-    seen: torch.Tensor | None = None,
-    ends: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The sampling program for ``variant``: fixed kernels, capturable in a CUDA graph.
-
-    Greedy rows (temperature 0) take the argmax of the penalized logits; the others
-    race ``scaled - race_noise`` with scaled = penalized logits / temperature.
-    ``ends``: the model's end-of-sequence token ids, which a row cannot draw before
-    its ``min_tokens``-th token (their logits become -inf in place, before anything).
-    """
-    if ends is not None and params.min_tokens is not None and ends.numel():
-        ban_ends(logits, params.index < params.min_tokens, ends)
-    if logits.is_cuda and triton_available():
-        return sample_tokens_triton(logits, params, variant, seen)
-    if logits.device.type == "cpu":
-        from wsinfer.engine.sampling_cpu import sample_tokens_cpu
-
-        return sample_tokens_cpu(logits, params, variant, seen)
-    return sample_tokens_torch(logits, params, variant, seen)
-
-
 def ban_ends(logits: torch.Tensor, banned: torch.Tensor, ends: torch.Tensor) -> None:
     """Set the ``ends`` columns of the ``banned`` rows to -inf: the race and the argmax
     then never pick them, and every other token keeps its own noise (same draws as
@@ -234,7 +194,7 @@ def sample_tokens_torch(
     variant: Variant,
     seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``sample_tokens`` in torch ops: the CPU's program and the Triton race's reference."""
+    """``sampler.sample_tokens`` in torch ops: the CPU's program and the Triton race's reference."""
     if variant is Variant.GREEDY:
         return logits.argmax(dim=-1)  # no penalty here; bf16 -> fp32 keeps the order
     greedy, scaled = race_inputs(logits, params, seen)
@@ -258,7 +218,7 @@ def race_inputs(
 def sample_tokens_triton(
     logits: torch.Tensor, params: SamplingTensors, variant: Variant, seen: torch.Tensor | None
 ) -> torch.Tensor:
-    """``sample_tokens``'s SAMPLE / FILTERED programs as the Triton race (one pass over
+    """``sampler.sample_tokens``'s SAMPLE / FILTERED programs as the Triton race (one pass over
     the logits); the sort of FILTERED rows, which finds their floors, stays in torch."""
     from wsinfer.engine.sampling_triton import race_triton
 

@@ -156,7 +156,7 @@ def race_triton(
     block: int = BLOCK_V,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """int64 [B] tokens: the race of ``sampling.sample_tokens`` (see there for the formula).
+    """int64 [B] tokens: the race of ``sampler.sample_tokens`` (see there for the formula).
 
     ``logits`` [B, V] (any float dtype, last dimension contiguous); per-row float32
     ``temperature`` (0 = greedy: the argmax of the penalized logits) and ``penalty``,

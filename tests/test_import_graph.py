@@ -35,14 +35,10 @@ PACKAGES = {
 # Folders under a package that hold no Python of ours.
 SKIPPED_DIRS = {"__pycache__", "node_modules"}
 
-# The circles left when this test was written, each as its modules in import
-# order from the smallest name (as the failure prints them). This list is to
-# be emptied, never added to: a cycle not listed here fails the test.
-ALLOWED_CYCLES: set[tuple[str, ...]] = {
-    # The sampler's lazy import of its CPU variant, which uses the sampler's
-    # helpers; to go when the sampler is chosen once, as the kernels are.
-    ("wsinfer.engine.sampling", "wsinfer.engine.sampling_cpu"),
-}
+# Circles tolerated, each as its modules in import order from the smallest name
+# (as the failure prints them). Empty since the last ones were removed; never
+# to be added to: a cycle not listed here fails the test.
+ALLOWED_CYCLES: set[tuple[str, ...]] = set()
 
 Graph = dict[str, set[str]]
 

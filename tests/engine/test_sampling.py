@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from wsinfer.engine.sampling import RowSampling, fresh_seed, mix_seed, sample
+from wsinfer.engine.sampler import sample
+from wsinfer.engine.sampling import RowSampling, fresh_seed, mix_seed
 from wsinfer.sessions.schema import GenerationParams
 
 VOCAB = 1000

@@ -8,12 +8,12 @@ import torch
 
 from tests.engine.sampling_cases import SIZES, all_cases, random_params
 from wsinfer.engine import native
+from wsinfer.engine.sampler import sample_tokens
 from wsinfer.engine.sampling import (
     SamplingTensors,
     Variant,
     race_noise,
     row_keys,
-    sample_tokens,
     sample_tokens_torch,
 )
 from wsinfer.engine.sampling_cpu import noise_low, sample_tokens_cpu
