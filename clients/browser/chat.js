@@ -24,6 +24,8 @@ const els = {
   keyError: $("api-key-refused"), rememberKey: $("remember-key"),
   share: $("share"), shareDialog: $("share-dialog"), shareLink: $("share-link"), shareQr: $("share-qr"),
   shareNote: $("share-note"), copyLink: $("copy-link"), shareBody: $("share-body"),
+  search: $("search"), noMatch: $("no-match"), toast: $("toast"), toastText: $("toast-text"),
+  undo: $("undo"), toBottom: $("to-bottom"), model: $("model"),
 };
 
 const query = new URLSearchParams(location.search);
@@ -96,6 +98,7 @@ async function submitKey(event) {
   else localStorage.removeItem(KEY_ITEM);
   els.keyInput.value = "";
   els.keyDialog.close();
+  showModel();
   openConversation(conv ? conv.id : null); // a client with the key; resumes what was open
 }
 
@@ -252,9 +255,43 @@ function refreshActions() {
   if (last.dataset.role === "user" && !last.classList.contains("editing")) last.querySelector(".actions").append(actionButton("Retry", "retry", () => regenerate()));
 }
 
+// Whether the log follows new text: it does while the reader was at the end
+// when they last scrolled (growth of the text fires no scroll event).
+let atEnd = true;
+
 function scrollToEnd(force = false) {
   const main = els.main;
-  if (force || main.scrollHeight - main.scrollTop - main.clientHeight < 120) main.scrollTop = main.scrollHeight;
+  if (force || atEnd) main.scrollTop = main.scrollHeight;
+  showToBottom();
+}
+
+/** The ↓ button, while the latest message is out of view. */
+function showToBottom() {
+  const main = els.main;
+  const gap = main.scrollHeight - main.scrollTop - main.clientHeight;
+  els.toBottom.hidden = gap < 200;
+  return gap;
+}
+
+function onScroll() {
+  atEnd = showToBottom() < 120;
+}
+
+// The model's name, from GET /v1/models (the one model this server answers to).
+async function showModel() {
+  try {
+    const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
+    const r = await fetch("/v1/models", { headers, cache: "no-store" });
+    const id = r.ok ? (await r.json()).data?.[0]?.id : null;
+    if (!id) return;
+    const name = String(id).split("/").pop();
+    els.model.textContent = name;
+    els.model.title = `Model: ${id}`;
+    els.model.hidden = false;
+    els.input.placeholder = `Message ${name}`;
+  } catch {
+    // no name shown: the connection state says what is wrong
+  }
 }
 
 const CONN_TEXT = {
@@ -329,26 +366,58 @@ function timeAgo(t) {
 }
 
 function renderList() {
-  const items = store.list().map((c) => {
-    const li = document.createElement("li");
-    li.dataset.id = c.id;
-    if (c.session) li.dataset.session = c.session;
-    if (conv && c.id === conv.id) li.setAttribute("aria-current", "true");
-    const open = document.createElement("button");
-    open.type = "button";
-    open.className = "open";
-    const title = document.createElement("span");
-    title.textContent = c.title;
-    const when = document.createElement("small");
-    when.textContent = timeAgo(c.updated);
-    open.append(title, when);
-    open.addEventListener("click", () => { openConversation(c.id); closeSidebar(); });
-    const del = actionButton("✕", "delete", () => deleteConversation(c.id));
-    del.setAttribute("aria-label", `Delete “${c.title}”`);
-    li.append(open, del);
-    return li;
+  const query = els.search.value.trim();
+  const shown = store.list().filter((c) => !query || store.matches(c.id, c.title, query));
+  els.noMatch.hidden = !query || shown.length > 0;
+  els.list.replaceChildren(...shown.map(listItem));
+}
+
+function listItem(c) {
+  const li = document.createElement("li");
+  li.dataset.id = c.id;
+  if (c.session) li.dataset.session = c.session;
+  if (conv && c.id === conv.id) li.setAttribute("aria-current", "true");
+  const open = document.createElement("button");
+  open.type = "button";
+  open.className = "open";
+  const title = document.createElement("span");
+  title.textContent = c.title;
+  const when = document.createElement("small");
+  when.textContent = timeAgo(c.updated);
+  open.append(title, when);
+  open.addEventListener("click", () => { openConversation(c.id); closeSidebar(); });
+  const rename = actionButton("✎", "rename", () => startRename(li, c));
+  rename.setAttribute("aria-label", `Rename “${c.title}”`);
+  const del = actionButton("✕", "delete", () => deleteConversation(c.id));
+  del.setAttribute("aria-label", `Delete “${c.title}”`);
+  li.append(open, rename, del);
+  return li;
+}
+
+function startRename(li, c) {
+  const box = document.createElement("input");
+  box.className = "rename-box";
+  box.value = c.title;
+  box.setAttribute("aria-label", "New title");
+  let done = false;
+  const finish = (keep) => {
+    if (done) return;
+    done = true;
+    const title = box.value.trim();
+    if (keep && title && title !== c.title && store.rename(c.id, title) && conv && conv.id === c.id) {
+      conv.title = title;
+      els.title.textContent = title;
+    }
+    renderList();
+  };
+  box.addEventListener("keydown", (e) => {
+    if (e.key === "Enter") { e.preventDefault(); finish(true); }
+    if (e.key === "Escape") { e.preventDefault(); e.stopPropagation(); finish(false); }
   });
-  els.list.replaceChildren(...items);
+  box.addEventListener("blur", () => finish(true));
+  li.replaceChildren(box);
+  box.focus();
+  box.select();
 }
 
 function saveConv() {
@@ -401,22 +470,51 @@ function restoreOrConnect() {
   if (restored.status === "paused") view.note.textContent = "Paused";
 }
 
+// A deletion waits UNDO_MS for Undo before the server's session is ended: until
+// then the conversation is only out of the list (and out of storage, so other
+// tabs see it gone), kept here to be put back.
+const UNDO_MS = 8000;
+let pendingDelete = null; // {snap, timer}
+
 function deleteConversation(id) {
+  endDeletion(); // one undo at a time: an earlier deletion is final now
   if (conv && id === conv.id) {
     if (turn && turn.active) turn.stop();
-    client.close(); // ends the session on the server
-    store.remove(id);
-    openConversation(null);
-    return;
+    openConversation(null); // disconnects: the session stays until the undo is over
   }
-  // Another conversation: end its session too, from a short-lived client.
-  const other = new WsinferClient({ storage: store.storage, storageKey: clientKey(id), token: apiKey });
-  if (other.session) {
-    other.addEventListener("open", () => other.close(), { once: true });
-    other.connect();
-  }
+  const snap = store.snapshot(id); // as the disconnect left it
   store.remove(id);
   renderList();
+  pendingDelete = { snap, timer: setTimeout(endDeletion, UNDO_MS) };
+  const title = snap.entry ? snap.entry.title : "the conversation";
+  els.toastText.textContent = `Deleted “${title}”.`;
+  els.toast.hidden = false;
+}
+
+function undoDelete() {
+  if (!pendingDelete) return;
+  const { snap, timer } = pendingDelete;
+  clearTimeout(timer);
+  pendingDelete = null;
+  els.toast.hidden = true;
+  store.restore(snap);
+  openConversation(snap.id);
+}
+
+/** The undo time is over: end the deleted conversation's session on the server. */
+function endDeletion() {
+  if (!pendingDelete) return;
+  const { snap, timer } = pendingDelete;
+  clearTimeout(timer);
+  pendingDelete = null;
+  els.toast.hidden = true;
+  if (!snap.client) return;
+  const scratch = new Map([["s", snap.client]]);
+  const storage = { getItem: (k) => scratch.get(k) ?? null, setItem: (k, v) => scratch.set(k, v), removeItem: (k) => scratch.delete(k) };
+  const other = new WsinferClient({ storage, storageKey: "s", token: apiKey });
+  if (!other.session) return;
+  other.addEventListener("open", () => other.close(), { once: true });
+  other.connect();
 }
 
 // ---- live speed readout -------------------------------------------------------
@@ -795,6 +893,11 @@ function closeSidebar() {
 function wire() {
   els.form.addEventListener("submit", (e) => { e.preventDefault(); send(); });
   els.share.addEventListener("click", openShare);
+  els.search.addEventListener("input", renderList);
+  els.undo.addEventListener("click", undoDelete);
+  els.toBottom.addEventListener("click", () => { scrollToEnd(true); els.input.focus(); });
+  els.main.addEventListener("scroll", onScroll, { passive: true });
+  window.addEventListener("pagehide", endDeletion);
   els.copyLink.addEventListener("click", copyLink);
   // Back on this page: another device may have gone on with the conversation.
   document.addEventListener("visibilitychange", () => { if (!document.hidden) catchUp(); });
@@ -840,6 +943,7 @@ wire();
 let linkNotice = null;
 
 async function boot() {
+  showModel();
   const hash = new URLSearchParams(location.hash.slice(1));
   openConversation(hash.has("follow") ? await importLink(hash.get("follow")) : hash.get("c"));
   if (linkNotice) showNotice(linkNotice);

@@ -87,6 +87,36 @@ export class ChatStore {
     this._set(INDEX_KEY, this._get(INDEX_KEY, []).filter((c) => c.id !== id));
   }
 
+  /** A new title for conversation `id`; false if there is no such conversation. */
+  rename(id, title) {
+    const conv = this.load(id);
+    if (!conv) return false;
+    conv.title = title;
+    const entry = this._get(INDEX_KEY, []).find((c) => c.id === id);
+    this.save(conv, entry ? entry.session : null);
+    return true;
+  }
+
+  /** Whether conversation `id`'s title or any of its messages contains `query` (any case). */
+  matches(id, title, query) {
+    const q = query.toLocaleLowerCase();
+    if (title.toLocaleLowerCase().includes(q)) return true;
+    const conv = this.load(id);
+    return Boolean(conv && conv.messages.some((m) => (m.content || "").toLocaleLowerCase().includes(q)));
+  }
+
+  /** Everything kept of conversation `id`, for `restore` (an undone deletion). */
+  snapshot(id) {
+    const entry = this._get(INDEX_KEY, []).find((c) => c.id === id) || null;
+    return { id, entry, conv: this.storage.getItem(convKey(id)), client: this.storage.getItem(clientKey(id)) };
+  }
+
+  restore(snap) {
+    if (snap.conv) this.storage.setItem(convKey(snap.id), snap.conv);
+    if (snap.client) this.storage.setItem(clientKey(snap.id), snap.client);
+    if (snap.entry) this._set(INDEX_KEY, [...this._get(INDEX_KEY, []).filter((c) => c.id !== snap.id), snap.entry]);
+  }
+
   settings() {
     const saved = this._get(SETTINGS_KEY, {});
     return { ...DEFAULT_SETTINGS, ...(typeof saved === "object" ? saved : {}) };
@@ -134,7 +164,7 @@ const FAILED_TEXT = {
 };
 
 export function failureText(error) {
-  const text = FAILED_TEXT[error.code] || "Something went wrong with this answer.";
+  const text = Object.hasOwn(FAILED_TEXT, error.code) ? FAILED_TEXT[error.code] : "Something went wrong with this answer.";
   return error.code === "bad_request" && error.message ? `${text}: ${error.message}` : text;
 }
 
@@ -230,21 +260,33 @@ export function linkPayload(conv, session, token, live, paused) {
 }
 
 const linkMessage = (m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string";
+const FINISHES = ["stop", "length", "cancelled", "tool_calls", "error"];
+
+// A link is input from anywhere: only the fields this page writes, of their types.
+function fromLink(m, session) {
+  const out = { role: m.role, content: m.content };
+  if (FINISHES.includes(m.finish)) out.finish = m.finish;
+  if (typeof m.error === "string") out.error = m.error.slice(0, 64);
+  if (Number.isSafeInteger(m.turn)) Object.assign(out, { turn: m.turn, session });
+  if (m.role === "user" && m.remote === true) out.remote = true;
+  const note = out.error ? failureText({ code: out.error }) : Object.hasOwn(FINISH_NOTE, out.finish) && FINISH_NOTE[out.finish];
+  if (note) out.note = note;
+  return out;
+}
 
 export function validLink(p) {
-  return Boolean(p) && p.v === 1 && typeof p.s === "string" && typeof p.k === "string" && Array.isArray(p.m);
+  const live = p && (p.t == null || Number.isSafeInteger(p.t));
+  return Boolean(live) && p.v === 1 && typeof p.s === "string" && typeof p.k === "string" && Array.isArray(p.m);
 }
 
 /** A new conversation of this page from a link's payload. */
 export function conversationFromLink(p) {
   const c = newConversation();
   c.title = typeof p.n === "string" ? p.n : "Shared chat";
-  c.messages = p.m.filter(linkMessage).map((m) => {
-    const note = m.error ? failureText({ code: m.error }) : FINISH_NOTE[m.finish];
-    return { ...m, ...(note && { note }), ...(m.turn != null && { session: p.s }) };
-  });
-  if (p.d) c.messages.unshift({ role: "user", content: "", remote: `${p.d} earlier messages stayed on the other device: the link can carry only so much.` });
+  c.messages = p.m.filter(linkMessage).map((m) => fromLink(m, p.s));
+  if (Number.isSafeInteger(p.d) && p.d > 0) c.messages.unshift({ role: "user", content: "", remote: `${p.d} earlier messages stayed on the other device: the link can carry only so much.` });
   c.lastSession = p.s;
-  c.lastTurn = p.t ?? p.l ?? null;
+  const last = Number.isSafeInteger(p.t) ? p.t : p.l;
+  c.lastTurn = Number.isSafeInteger(last) ? last : null;
   return c;
 }

@@ -61,6 +61,9 @@ async def test_second_device_follows_mid_answer_and_goes_on(
     desk = await devices(1280, 800)
     phone = await devices(390, 844, "dark")
     await desk.goto(wsinfer_server.http_url + PAGE_QUERY)
+    await desk.wait_for_selector("#model:not([hidden])")  # GET /v1/models names it
+    model = await desk.text_content("#model") or ""
+    assert model and model in (await desk.get_attribute("#input", "placeholder") or "")
     await ask(desk, "What is a WebSocket?")
     await wait_seq(desk, 20)
 
