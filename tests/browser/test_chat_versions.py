@@ -12,7 +12,7 @@ import pytest
 
 from tests.clients.standin import StandIn, word_text
 
-from .helpers import LAST_ANSWER, answer_text, ask, screenshot, wait_done
+from .helpers import LAST_ANSWER, answer_text, ask, screenshot, wait_done, wait_seq
 
 
 @pytest.fixture
@@ -156,9 +156,10 @@ async def test_refusals_and_failures_keep_every_message_in_words(
     assert "no model was running" in (await page.text_content(f"{failed} .note") or "")
 
     # The server lost the session while an answer was coming: said so, in words.
-    server.delay = 0.05
+    server.delay = 0.3
     await ask(page, "and then?")
-    await page.wait_for_selector(f"{LAST_ANSWER}[data-seq='1']")
+    await wait_seq(page, 1)
+    assert await page.get_attribute(LAST_ANSWER, "data-finish") is None
     server.sessions.clear()
     proxy.cut()
     await wait_messages(page, 8)
