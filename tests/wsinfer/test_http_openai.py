@@ -56,6 +56,13 @@ def test_messages_text_parts_and_developer_role() -> None:
     ]
 
 
+def test_the_model_may_be_left_out_when_one_is_served() -> None:
+    for body in ({}, {"model": None}):  # as vLLM and llama.cpp take it
+        raw = json.dumps({"messages": USER, **body}).encode()
+        chat = parse_chat_request(raw, Limits(), "m", None, None)
+        assert chat.generate.messages == USER
+
+
 def test_session_headers_continue_a_session() -> None:
     chat = parse(session="s1", token="t1")
     assert (chat.generate.session, chat.generate.token) == ("s1", "t1")
@@ -132,7 +139,7 @@ def test_values_are_checked_by_the_websocket_parser() -> None:
             parse(**body)
         assert caught.value.status == 400 and caught.value.code == "bad_request"
     with pytest.raises(OpenAIError) as caught:
-        parse(messages=[{"role": "user", "content": "x" * 40_000}])
+        parse(messages=[{"role": "user", "content": "x" * 256_001}])  # the abuse cap
     assert caught.value.code == "too_large"
 
 
