@@ -181,8 +181,12 @@ def choices(data: dict[str, Any]) -> int:
 
 
 def check_model(data: dict[str, Any], model: str) -> None:
-    if not isinstance(data.get("model"), str):
-        raise bad_request("you must provide a model parameter (a string)", "model")
+    """``model`` names the one model served, or is left out (as vLLM and
+    llama.cpp allow: there is no other to mean)."""
+    if data.get("model") is None:
+        return
+    if not isinstance(data["model"], str):
+        raise bad_request("model must be a string, the name of the model served", "model")
     if data["model"] != model:
         raise OpenAIError(
             404, f"The model {shorten(data['model'], 64)!r} does not exist; "
