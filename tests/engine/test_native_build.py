@@ -253,14 +253,17 @@ def test_a_build_killed_at_random_moments_never_blocks_the_next(tmp_path: Path) 
     kernels compute."""
     cache = tmp_path / "cache"
     seed = random.randrange(1 << 30)
-    # Up to 20 s: within a build's ~25 s on any machine (its longest compile is ~22 s).
+    # Up to 20 s: a build takes 18 to 33 s on the machines seen. One that ends before
+    # its kill (a fast machine) is not a kill mid-build: its library goes, and the
+    # next one starts from nothing again.
     delays = [random.Random(seed + i).uniform(0.2, 20.0) for i in range(3)]
     for delay in delays:
         builder = _builder(cache, _best())
         time.sleep(delay)
         builder.kill()
         builder.communicate()
-        assert builder.returncode != 0, f"seed {seed}: the build ended before {delay:.1f} s"
+        if builder.returncode == 0:
+            shutil.rmtree(native_build.native_dir(cache))
     last = _builder(cache, _best())
     out, err = last.communicate(timeout=600)
     assert last.returncode == 0, (seed, err)
