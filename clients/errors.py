@@ -15,9 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from wsinfer.contract import ERROR_CLASSES, ClientErrorCode, ErrorClass, ErrorCode, ErrorFault
-
-_CLASSES: dict[str, ErrorClass] = {code.value: kind for code, kind in ERROR_CLASSES.items()}
+from wsinfer.contract import (
+    ClientErrorCode,
+    ErrorCode,
+    ErrorFault,
+    check_error_family,
+    error_class,
+)
 
 
 class WsinferError(Exception):
@@ -28,20 +32,19 @@ class WsinferError(Exception):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        kind = _CLASSES.get(cls.code)
-        if cls.family is not None and kind is not None and kind.fault is not cls.family:
-            raise TypeError(f"{cls.__name__}: {cls.code} is the {kind.fault.value}'s fault")
+        if cls.family is not None:
+            check_error_family(cls.__name__, cls.code, cls.family)
 
     @property
     def fault(self) -> ErrorFault | None:
         """The request's or the service's, for a code the server sends (else None)."""
-        kind = _CLASSES.get(self.code)
+        kind = error_class(self.code)
         return kind.fault if kind else None
 
     @property
     def retryable(self) -> bool:
         """Whether the same request, sent again later, may succeed."""
-        kind = _CLASSES.get(self.code)
+        kind = error_class(self.code)
         return kind.retryable if kind else False
 
     def __init__(

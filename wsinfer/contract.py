@@ -94,6 +94,23 @@ ERROR_CLASSES: dict[ErrorCode, ErrorClass] = {
 }
 
 
+def error_class(code: str) -> ErrorClass | None:
+    """The class of a code the server sends (an ``ErrorCode`` or its value);
+    None for any other (the clients' own codes, a newer server's)."""
+    try:
+        return ERROR_CLASSES[ErrorCode(code)]
+    except ValueError:
+        return None
+
+
+def check_error_family(name: str, code: str, family: ErrorFault) -> None:
+    """Both exception trees' check, when a class for ``code`` is defined in
+    ``family``: TypeError where ERROR_CLASSES puts the code in the other one."""
+    kind = error_class(code)
+    if kind is not None and kind.fault is not family:
+        raise TypeError(f"{name}: {ErrorCode(code).value} is the {kind.fault.value}'s fault")
+
+
 class ClientErrorCode(str, Enum):
     """Codes the clients raise themselves, never sent by the server: the same
     situation gets the same code in Python and in the browser."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wsinfer.contract import ERROR_CLASSES, ErrorCode, ErrorFault
+from wsinfer.contract import ERROR_CLASSES, ErrorCode, ErrorFault, check_error_family
 
 
 class WsinferError(Exception):
@@ -27,9 +27,8 @@ class WsinferError(Exception):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        expected = ERROR_CLASSES[cls.code].fault
-        if cls.fault is not None and "code" in vars(cls) and cls.fault is not expected:
-            raise TypeError(f"{cls.__name__}: {cls.code.value} is the {expected.value}'s fault")
+        if cls.fault is not None and "code" in vars(cls):  # a code class, in its family
+            check_error_family(cls.__name__, cls.code, cls.fault)
 
     @property
     def retryable(self) -> bool:
