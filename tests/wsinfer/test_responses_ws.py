@@ -21,6 +21,7 @@ from pydantic import TypeAdapter
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
+from tests.followers import RESPONSE_ENDS
 from tests.stack import start_frontend, start_serve, stop_serve
 from wsinfer.http.openai import OpenAIError
 from wsinfer.http.responses import (
@@ -44,7 +45,7 @@ from wsinfer.sessions.schema import GenerationParams
 
 KEY = "sekrit"
 RATE = 200  # tokens a second
-ENDS = ("response.completed", "response.incomplete", "response.cancelled", "response.failed")
+ENDS = RESPONSE_ENDS  # a response's last event
 SERVER_EVENT: TypeAdapter[Any] = TypeAdapter(ResponsesServerEvent)
 
 
