@@ -1,14 +1,13 @@
-"""SIGINT and SIGTERM as an asyncio event, caught from before the event loop exists.
+"""SIGINT and SIGTERM as an asyncio event, caught from before serve's imports and
+its event loop.
 
-``loop.add_signal_handler`` alone leaves a window at start-up where a signal is
-lost: ``asyncio.run`` first installs a SIGINT handler of its own, and a signal
-that its C-level handler records before ``add_signal_handler`` has set the
-loop's wakeup fd, but that Python runs only after, runs the loop's no-op
-handler; nothing reaches the loop. A Ctrl-C 0.37 s into ``wsinfer serve`` left
-it serving, here. A plain Python handler installed before the loop, which hands
-the signal to the loop with ``call_soon_threadsafe`` once there is one, has no
-such window: Python runs it between two bytecodes of the main thread, and the
-signal interrupts a ``select`` the loop may be blocked in.
+Plain Python handlers, installed first thing in ``run_serve``: a stop request
+during the supervisor's imports or before its loop runs is kept (``received``)
+and set on the loop's event once there is one, instead of a KeyboardInterrupt
+raised in the middle of an import, which a library may swallow (torch's import
+of numpy did, and serve went on serving; the supervisor no longer imports
+torch, but nothing here relies on that). A signal while the loop runs is handed
+to it with ``call_soon_threadsafe``, which also wakes a loop blocked in select.
 """
 
 from __future__ import annotations
