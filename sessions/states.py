@@ -158,6 +158,11 @@ def allowed_from(action: Action) -> list[TurnStatus]:
     return [state for (state, act) in TRANSITIONS if act is action]
 
 
+def statuses_arg(statuses: list[TurnStatus]) -> str:
+    """Statuses as a script receives them (``allowed_from``): comma-separated."""
+    return ",".join(status.value for status in statuses)
+
+
 def target(action: Action) -> TurnStatus:
     targets = {new for (_, act), new in TRANSITIONS.items() if act is action}
     (only,) = targets  # every action leads to exactly one status

@@ -56,6 +56,7 @@ from wsinfer.sessions.states import (
     Effect,
     IllegalTransition,
     allowed_from,
+    statuses_arg,
     store_candidates,
     target,
 )
@@ -209,7 +210,7 @@ class SessionStore:
             packed_input=turn_input.pack(),
             now=time.time(),
             session_ttl=self.ttl_s,
-            allowed_from=",".join(s.value for s in allowed_from(Action.START)),
+            allowed_from=statuses_arg(allowed_from(Action.START)),
             target=target(Action.START).value,
             idem_hash=hash_idempotency_key(key) if key else "",
         )
@@ -278,7 +279,7 @@ class SessionStore:
         the table's transitions for it that the turn's status allows."""
         candidates = store_candidates(ClientMessageType(action))
         rows = [
-            (",".join(s.value for s in allowed_from(act)), target(act).value, effect.value)
+            (statuses_arg(allowed_from(act)), target(act).value, effect.value)
             for act, effect in candidates
         ]
         for _ in range(MOVED_RETRIES):

@@ -36,15 +36,11 @@ from wsinfer.sessions.schema import (
 )
 from wsinfer.sessions.scripting import ScriptCall, bound, load_scripts_once, run_scripts
 from wsinfer.sessions.scripts import ClaimCall, PublishCall, ReleaseCall, Reply
-from wsinfer.sessions.states import Action, allowed_from, target
+from wsinfer.sessions.states import Action, allowed_from, statuses_arg, target
 
 # An engine's metrics (``heartbeat``) outlive it this long: a few of its
 # publishes, so that a scrape never misses a live one and a dead one's go.
 METRICS_TTL_S = 20
-
-
-def _csv(statuses: list[Any]) -> str:
-    return ",".join(s.value for s in statuses)
 
 
 @dataclass(frozen=True)
@@ -255,7 +251,7 @@ class WorkerStore:
                 meta=keys.meta(request.session),
                 engine_id=self.engine_id,
                 epoch=epoch,
-                allowed_from=_csv(allowed_from(Action.RELEASE)),
+                allowed_from=statuses_arg(allowed_from(Action.RELEASE)),
                 target=target(Action.RELEASE).value,
             )
             outcome = as_str(self._release(keys=call.keys(), args=call.args())[0])
@@ -333,7 +329,7 @@ class WorkerStore:
             engine_id=self.engine_id,
             turn=request.turn,
             now=int(time.time()),
-            allowed_from=_csv(statuses),
+            allowed_from=statuses_arg(statuses),
             target=target(Action.CLAIM).value,
         )
         flat = [as_str(v) for v in self._claim(keys=call.keys(), args=call.args())]
@@ -459,9 +455,9 @@ class WorkerStore:
             item.epoch,
             item.seq,
             -1 if item.prev_seq is None else item.prev_seq,
-            _csv(allowed_from(final)) if final else "",
+            statuses_arg(allowed_from(final)) if final else "",
             target(final).value if final else "",
-            _csv(allowed_from(Action.STOP)) if stop else "",
+            statuses_arg(allowed_from(Action.STOP)) if stop else "",
             target(Action.STOP).value if stop else "",
             pack(item.if_stopped) if item.if_stopped and stop else "",
             [pack(event) for event in item.events],
