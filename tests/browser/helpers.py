@@ -116,6 +116,16 @@ async def reference_run(
 LAST_ANSWER = "li.msg.assistant:last-child"
 
 
+async def settled(page: Any, n: int) -> None:
+    """Until the page shows ``n`` messages, the last one finished, and no turn runs."""
+    await page.wait_for_function(
+        "n => document.querySelectorAll('li.msg').length === n"
+        " && document.querySelector('li.msg:last-child').dataset.finish"
+        " && document.body.dataset.turn === 'idle'",
+        arg=n,
+    )
+
+
 async def ask(page: Any, text: str) -> None:
     await page.fill("#input", text)
     await page.press("#input", "Enter")

@@ -11,7 +11,7 @@ import pytest
 
 from tests.clients.standin import StandIn
 
-from .helpers import ask, screenshot
+from .helpers import ask, screenshot, settled
 
 TITLES = "#conversations li .open span"
 
@@ -22,15 +22,6 @@ async def standin() -> AsyncIterator[tuple[StandIn, int]]:
     port = (await server.start()).port
     yield server, port
     await server.stop()
-
-
-async def settled(page: Any, n: int) -> None:
-    await page.wait_for_function(
-        "n => document.querySelectorAll('li.msg').length === n"
-        " && document.querySelector('li.msg:last-child').dataset.finish"
-        " && document.body.dataset.turn === 'idle'",
-        arg=n,
-    )
 
 
 async def chat(page: Any, server: StandIn, question: str, answer: str) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.clients.standin import StandIn
 
-from .helpers import LAST_ANSWER, ask, screenshot
+from .helpers import LAST_ANSWER, ask, screenshot, settled
 
 ANSWER = ["A WebSocket ", "is one **TCP** connection ", "that both sides ", "write to."]
 
@@ -23,15 +23,6 @@ async def standin() -> AsyncIterator[tuple[StandIn, int]]:
     port = (await server.start()).port
     yield server, port
     await server.stop()
-
-
-async def settled(page: Any, n: int) -> None:
-    await page.wait_for_function(
-        "n => document.querySelectorAll('li.msg').length === n"
-        " && document.querySelector('li.msg:last-child').dataset.finish"
-        " && document.body.dataset.turn === 'idle'",
-        arg=n,
-    )
 
 
 async def fits(page: Any, selector: str) -> bool:
