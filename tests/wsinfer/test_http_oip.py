@@ -284,7 +284,7 @@ def test_binary_elements_cut_short_or_not_utf8_are_refused() -> None:
             parse(None, str(len(head)), head + blob)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)  # under half a second: the fast tier
 @given(st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
@@ -336,3 +336,43 @@ def test_a_merged_replay_is_split_into_the_logs_deltas() -> None:
     assert [(m["seq"], m["text"]) for m in split] == [(3, "b"), (4, "c")]
     odd: Any = {**merged, "text": "zz"}  # not what the log holds: kept whole
     assert unmerged([odd], events, after=1) == [odd]
+
+
+@pytest.mark.slow
+def test_the_session_routes_pause_resume_and_stop_a_v2_stream(http: httpx.Client) -> None:
+    url = f"/v2/models/{MODEL}/generate_stream"
+    datas: list[dict[str, Any]] = []
+    paused = False
+    with http.stream("POST", url, json=request(max_tokens=120, temperature=0)) as stream:
+        session, token = stream.headers["x-wsinfer-session"], stream.headers["x-wsinfer-token"]
+        control = {"X-Wsinfer-Token": token}
+        for raw in stream.iter_lines():
+            if raw.startswith(": paused"):
+                paused = True
+                assert http.post(f"/v1/sessions/{session}/resume", headers=control).is_success
+            elif raw.startswith("data: "):
+                datas.append(json.loads(raw[6:]))
+                if len(datas) == 3:
+                    answer = http.post(f"/v1/sessions/{session}/pause", headers=control)
+                    assert answer.status_code in (200, 202), answer.text
+    assert paused and datas[-1]["parameters"]["finish_reason"] == "length"
+    assert datas[-1]["parameters"]["completion_tokens"] == 120
+    again = http.post(f"/v2/models/{MODEL}/infer", json=request(max_tokens=120, temperature=0))
+    whole = text_of(again.json())
+    assert "".join(text_of(d) for d in datas) == whole  # greedy: the same text, paused or not
+
+    with http.stream("POST", url, json=request(max_tokens=2000)) as stream:
+        session, token = stream.headers["x-wsinfer-session"], stream.headers["x-wsinfer-token"]
+        last: dict[str, Any] = {}
+        stopped = False
+        for raw in stream.iter_lines():
+            if raw.startswith("data: "):
+                last = json.loads(raw[6:])
+                if not stopped and last["parameters"]["wsinfer_seq"] >= 3:
+                    stopped = True
+                    stop = http.post(
+                        f"/v1/sessions/{session}/stop", headers={"X-Wsinfer-Token": token}
+                    )
+                    assert stop.status_code in (200, 202), stop.text
+    assert last["parameters"]["finish_reason"] == "cancelled"
+    assert last["parameters"]["completion_tokens"] < 2000
