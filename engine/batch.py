@@ -33,7 +33,8 @@ class DecodeRows:
         self.positions = np.zeros(max_rows, dtype=np.int64)  # position of the row's next input
         self.src = np.zeros(max_rows, dtype=np.int64)  # where its next input token is on device
         self.active = np.ones(max_rows, dtype=bool)  # False: the row needs no token this step
-        self.floats = np.zeros((3, max_rows), dtype=np.float32)  # temperature, top_p, penalty
+        # temperature, top_p, penalty, presence, frequency, typical_p
+        self.floats = np.zeros((6, max_rows), dtype=np.float32)
         self.ints = np.zeros((3, max_rows), dtype=np.int64)  # top_k, seed, min_tokens
         # position - index_base = which token of the turn the row's next draw produces
         self.index_base = np.zeros(max_rows, dtype=np.int64)
@@ -55,8 +56,9 @@ class DecodeRows:
         return row
 
     def set_params(self, row: int, params: GenerationParams, seed: int) -> None:
-        temperature, top_k, top_p, penalty, signed_seed, _, min_tokens = row_values(params, seed, 0)
-        self.floats[:, row] = (temperature, top_p, penalty)
+        values = row_values(params, seed, 0)
+        temperature, top_k, top_p, penalty, signed_seed, _, min_tokens = values[:7]
+        self.floats[:, row] = (temperature, top_p, penalty, *values[7:])
         self.ints[:, row] = (top_k, signed_seed, min_tokens)
         self.params_dirty = True
 

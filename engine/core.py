@@ -272,9 +272,15 @@ class EngineCore(CoreBase):
         if joined:
             self._variant = None  # the rows' sampling parameters changed
         for j, seq in enumerate(joined):
-            if seq.request.params.repetition_penalty != 1.0:
-                assert seq.row is not None
+            params = seq.request.params
+            if params.repetition_penalty == 1.0 and not params.counts_tokens:
+                continue
+            assert seq.row is not None
+            if params.repetition_penalty != 1.0:
                 self.runner.reset_seen(seq.row, seq.tokens, base + j)
+            if params.counts_tokens:  # the turn's tokens: those after its prompt
+                turn = seq.tokens[len(seq.request.prompt_ids) :]
+                self.runner.reset_counts(seq.row, turn, base + j)
         return joined
 
     def _record(

@@ -214,7 +214,10 @@ class EagerEngineCore(CoreBase):
         if any(s.seen is not None for s in seqs):
             blank = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             seen = torch.stack([s.seen if s.seen is not None else blank for s in seqs])
-        return sample(logits, rows, seen, self.ends)
+        generated = None
+        if any(s.request.params.counts_tokens for s in seqs):  # the tokens after the prompt
+            generated = [s.tokens[len(s.request.prompt_ids) :] for s in seqs]
+        return sample(logits, rows, seen, self.ends, generated)
 
     def _join_batch(self, seq: _Sequence) -> None:
         assert seq.group is not None

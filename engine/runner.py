@@ -17,6 +17,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from .sampling import (
     RowSampling,
     SamplingTensors,
     Variant,
+    generated_counts,
     tensors_for,
     to_device,
     triton_available,
@@ -258,7 +260,8 @@ class ModelRunner:
         device = self.device
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
         self.step_ints = torch.zeros(5, max_rows, dtype=torch.long, device=device)
-        self.floats = torch.zeros(3, max_rows, dtype=torch.float32, device=device)
+        # temperature, top_p, penalty, presence, frequency, typical_p (DecodeRows.floats)
+        self.floats = torch.zeros(6, max_rows, dtype=torch.float32, device=device)
         self.ints = torch.zeros(3, max_rows, dtype=torch.long, device=device)
         # The end-of-sequence ids, which a row's min_tokens keeps from being drawn.
         self.ends = torch.tensor(sorted(ends or []), dtype=torch.long, device=device)
@@ -267,6 +270,9 @@ class ModelRunner:
         # Their log-probabilities, rows as last_tokens, for batches with a logprobs turn.
         self.logprobs = LogprobBuffers(max_rows + max_prefill_rows, device)
         self.seen = torch.zeros(max_rows, model.vocab_size, dtype=torch.bool, device=device)
+        # Each row's counts of its turn's generated tokens, for presence_penalty and
+        # frequency_penalty: made when a row first needs them ([max_rows, V] float32).
+        self.counts: torch.Tensor | None = None
         self._staging = [_Staging(max_rows, max_blocks, device) for _ in range(2)]
         self._flip = 0
         self.graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = {}
@@ -293,15 +299,16 @@ class ModelRunner:
         n = len(rows)
         bucket = self._bucket(n) if self.padded else n
         self._stage(rows, n, bucket)
-        eager = logprobs or allowed is not None
+        shaping = _Shaping.of([s.request.params for s in rows.seqs[:n]])
+        eager = logprobs or allowed is not None or shaping.any
         graph = None if eager else self.graphs.get((bucket, variant))
         if graph is not None:
             graph.replay()
         elif self.padded:  # the captured program, run eagerly (CPU tests of the graph path)
-            self._decode(bucket, variant, logprobs=logprobs, allowed=allowed)
+            self._decode(bucket, variant, logprobs=logprobs, allowed=allowed, shaping=shaping)
         else:
             max_len = int(rows.positions[:n].max()) + 1
-            self._decode(n, variant, max_len, logprobs=logprobs, allowed=allowed)
+            self._decode(n, variant, max_len, logprobs=logprobs, allowed=allowed, shaping=shaping)
         return bucket
 
     def _bucket(self, n: int) -> int:
@@ -342,8 +349,11 @@ class ModelRunner:
         max_len: int | None = None,
         logprobs: bool = False,
         allowed: torch.Tensor | None = None,
+        shaping: _Shaping | None = None,
     ) -> None:
-        """The decode step over rows ``:b`` (what a graph captures); no host sync."""
+        """The decode step over rows ``:b`` (what a graph captures); no host sync.
+        ``shaping``: some row has OpenAI's penalties or typical_p (run eagerly: the
+        graphs are captured without them)."""
         ints = self.step_ints[:, :b]
         tables = self.block_tables[:b]
         if max_len is not None:  # eager: read only the blocks in use
@@ -359,20 +369,27 @@ class ModelRunner:
         )
         ids = self.last_tokens[ints[_SRC]]
         hidden = self.model.forward(ids, ints[_POS], context)
+        shaping = shaping or _Shaping()
+        counts = self.counts[:b] if shaping.counts and self.counts is not None else None
         params = SamplingTensors(
             self.floats[0, :b], self.ints[0, :b], self.floats[1, :b], self.floats[2, :b],
             self.ints[1, :b], ints[_INDEX], self.ints[2, :b],
+            presence=self.floats[3, :b] if counts is not None else None,
+            frequency=self.floats[4, :b] if counts is not None else None,
+            typical=self.floats[5, :b] if shaping.typical else None,
         )  # fmt: skip
         seen = None if variant is Variant.GREEDY else self.seen[:b]
         logits = self.model.logits(hidden)
         model_lp = model_logprobs(logits) if logprobs else None
         if allowed is not None:
             logits = apply_bitmask(logits, allowed)
-        tokens = sample_tokens(logits, params, variant, seen, self.ends)
+        tokens = sample_tokens(logits, params, variant, seen, self.ends, counts)
         if model_lp is not None:
             self.logprobs.record(0, model_lp, tokens)
         if seen is not None:
             seen.scatter_(1, tokens.unsqueeze(1), True)
+        if counts is not None:
+            counts.scatter_add_(1, tokens.unsqueeze(1), torch.ones_like(counts[:, :1]))
         self.last_tokens[:b].copy_(tokens)
 
     # --- rows' repetition-penalty state -------------------------------------------
@@ -386,6 +403,19 @@ class ModelRunner:
 
     def move_seen(self, src: int, dst: int) -> None:
         self.seen[dst].copy_(self.seen[src])
+        if self.counts is not None:
+            self.counts[dst].copy_(self.counts[src])
+
+    def reset_counts(self, row: int, generated: list[int], pending_src: int | None) -> None:
+        """Count ``row``'s generated tokens (and its not yet known sampled token), rebuilt
+        from the turn's token ids: a resumed or taken-over turn counts as it would have."""
+        if self.counts is None:
+            vocab = self.model.vocab_size
+            self.counts = torch.zeros(self.max_rows, vocab, dtype=torch.float32, device=self.device)
+        self.counts[row].copy_(generated_counts([generated], self.model.vocab_size, self.device)[0])
+        if pending_src is not None:
+            pending = self.last_tokens[pending_src : pending_src + 1]
+            self.counts[row].index_add_(0, pending, torch.ones_like(pending, dtype=torch.float32))
 
     # --- prefill -----------------------------------------------------------------
 
@@ -407,7 +437,7 @@ class ModelRunner:
             return
         ends = np.cumsum([p.end - p.start for p in pieces])[: len(complete)] - 1
         logits = self.model.logits(hidden[upload(ends, self.device)])
-        seen = None
+        seen = counts = None
         params = [r.params for r in complete]
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = torch.zeros(len(complete), self.model.vocab_size, dtype=torch.bool)
@@ -415,10 +445,14 @@ class ModelRunner:
                 seen[i, torch.tensor(piece.tokens)] = True
             seen = upload(seen, self.device)
         tensors = tensors_for(complete, self.device)
+        if tensors.presence is not None:  # the last ``index`` tokens are the turn's own
+            ends_of = zip(pieces, complete, strict=False)
+            turns = [p.tokens[len(p.tokens) - r.index :] for p, r in ends_of]
+            counts = generated_counts(turns, self.model.vocab_size, self.device)
         model_lp = model_logprobs(logits) if logprobs else None
         if allowed is not None:
             logits = apply_bitmask(logits, allowed)
-        tokens = sample_tokens(logits, tensors, variant_of(params), seen, self.ends)
+        tokens = sample_tokens(logits, tensors, variant_of(params), seen, self.ends, counts)
         if model_lp is not None:
             self.logprobs.record(self.max_rows, model_lp, tokens)
         self.last_tokens[self.max_rows : self.max_rows + len(complete)].copy_(tokens)
@@ -483,6 +517,23 @@ class ModelRunner:
         return graph
 
 
+@dataclass(frozen=True)
+class _Shaping:
+    """What a decode step's rows shape their logits with, besides the captured program."""
+
+    counts: bool = False  # some row has presence_penalty or frequency_penalty
+    typical: bool = False  # some sampled row has typical_p below 1
+
+    @property
+    def any(self) -> bool:
+        return self.counts or self.typical
+
+    @classmethod
+    def of(cls, params: list[GenerationParams]) -> _Shaping:
+        typical = any(p.typical_p < 1.0 and not p.greedy for p in params)
+        return cls(any(p.counts_tokens for p in params), typical)
+
+
 class _Staging:
     """Host copies of the step buffers (pinned on CUDA so the copies are asynchronous).
 
@@ -498,7 +549,7 @@ class _Staging:
 
         self.step_ints_t = host((5, max_rows), torch.long)
         self.tables_t = host((max_rows, max_blocks), torch.int32)
-        self.floats_t = host((3, max_rows), torch.float32)
+        self.floats_t = host((6, max_rows), torch.float32)
         self.ints_t = host((3, max_rows), torch.long)
         self.step_ints = self.step_ints_t.numpy()
         self.tables = self.tables_t.numpy()

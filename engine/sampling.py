@@ -24,6 +24,7 @@ path here is the reference it is tested against, and the CPU's program.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import secrets
@@ -123,6 +124,11 @@ class SamplingTensors:
     index: torch.Tensor  # int64 [B]: which token of the turn the draw produces
     # int64 [B]: no end-of-sequence token is drawn while index < min_tokens (None: 0)
     min_tokens: torch.Tensor | None = None
+    # float32 [B], OpenAI's penalties on the turn's generated tokens (None: no row has
+    # them); they need the counts of those tokens (``generated_counts``).
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    typical: torch.Tensor | None = None  # float32 [B], typical_p (None: every row 1, off)
 
     def rows(self, n: int) -> SamplingTensors:
         return self._map(lambda t: t[:n])
@@ -131,12 +137,15 @@ class SamplingTensors:
         return self._map(lambda t: t.to(device))
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingTensors:
-        """Each tensor through ``fn`` (an absent ``min_tokens`` stays absent)."""
-        min_tokens = None if self.min_tokens is None else fn(self.min_tokens)
-        return SamplingTensors(
-            fn(self.temperature), fn(self.top_k), fn(self.top_p), fn(self.penalty),
-            fn(self.seed), fn(self.index), min_tokens,
-        )  # fmt: skip
+        """Each tensor through ``fn`` (an absent optional one stays absent)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        mapped = {k: None if t is None else fn(t) for k, t in values.items()}
+        return SamplingTensors(**mapped)  # type: ignore[arg-type]
+
+    @property
+    def shaped(self) -> bool:
+        """Some row's logits are shaped before the race (``shape_logits``)."""
+        return self.presence is not None or self.typical is not None
 
 
 @dataclass(frozen=True)
@@ -149,9 +158,10 @@ class RowSampling:
 
 
 def variant_of(params: list[GenerationParams]) -> Variant:
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.typical_p < 1.0 for p in params if not p.greedy):
         return Variant.FILTERED
-    if all(p.greedy for p in params) and all(p.repetition_penalty == 1.0 for p in params):
+    plain = all(p.repetition_penalty == 1.0 and not p.counts_tokens for p in params)
+    if all(p.greedy for p in params) and plain:
         return Variant.GREEDY
     return Variant.SAMPLE
 
@@ -166,18 +176,84 @@ def row_values(params: GenerationParams, seed: int, index: int) -> tuple[Any, ..
         _signed(seed & _MASK64),
         index,
         params.min_tokens,
+        params.presence_penalty,
+        params.frequency_penalty,
+        params.typical_p,
     )
+
+
+_FIELDS = [f.name for f in dataclasses.fields(SamplingTensors)]
+_FLOAT_COLUMNS = (0, 2, 3, 7, 8, 9)
+_PENALTY_COLUMNS = (7, 8)
+_TYPICAL_COLUMN = 9
 
 
 def tensors_for(rows: list[RowSampling], device: torch.device) -> SamplingTensors:
+    """The rows' parameters on ``device``; the penalties and typical_p only where some row
+    has them (else None: the race runs as it did before them)."""
     values = list(zip(*(row_values(r.params, r.seed, r.index) for r in rows), strict=True))
-    floats = (0, 2, 3)
-    return SamplingTensors(
-        *(
-            to_device(list(col), device, torch.float32 if i in floats else torch.long)
-            for i, col in enumerate(values)
-        )
-    )
+    counts = any(r.params.counts_tokens for r in rows)
+    typical = any(r.params.typical_p < 1.0 for r in rows)
+    columns: dict[str, torch.Tensor | None] = {}
+    for i, (field, col) in enumerate(zip(_FIELDS, values, strict=True)):
+        if (i in _PENALTY_COLUMNS and not counts) or (i == _TYPICAL_COLUMN and not typical):
+            columns[field] = None
+            continue
+        dtype = torch.float32 if i in _FLOAT_COLUMNS else torch.long
+        columns[field] = to_device(list(col), device, dtype)
+    return SamplingTensors(**columns)  # type: ignore[arg-type]
+
+
+def generated_counts(generated: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """float32 [B, V]: how often each token appears in each row's ``generated`` tokens
+    (the turn's, rebuilt from its token ids: a turn taken over counts as it would have)."""
+    counts = torch.zeros(len(generated), vocab)
+    for row, tokens in enumerate(generated):
+        ids = torch.tensor([t for t in tokens if 0 <= t < vocab], dtype=torch.long)
+        counts[row].index_add_(0, ids, torch.ones(len(ids)))
+    return upload(counts, device)
+
+
+def shape_logits(
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    seen: torch.Tensor | None,
+    counts: torch.Tensor | None,
+) -> torch.Tensor:
+    """float32 logits with every penalty applied (repetition first, then OpenAI's, as
+    vLLM orders them) and, for sampled rows with typical_p, every token outside the row's
+    top-k / top-p / typical set at -inf (transformers' order: temperature, top-k, top-p,
+    typical). The race then runs over them as a SAMPLE race without ``seen``: its winners
+    are the FILTERED race's, since a -inf logit never wins."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, params.penalty, seen)
+    if counts is not None and params.presence is not None and params.frequency is not None:
+        present = (counts > 0).float()
+        logits = logits - params.frequency.unsqueeze(1) * counts
+        logits = logits - params.presence.unsqueeze(1) * present
+    if params.typical is None:
+        return logits
+    scaled = logits / _divisor(params.temperature).unsqueeze(1)
+    kept = scaled >= filter_floor(scaled, params).unsqueeze(1)
+    drop = ~kept | atypical(scaled, kept, params.typical)
+    drop &= (params.temperature > 0).unsqueeze(1)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def atypical(scaled: torch.Tensor, kept: torch.Tensor, typical: torch.Tensor) -> torch.Tensor:
+    """bool [B, V]: the tokens of the ``kept`` set that transformers' TypicalLogitsWarper
+    removes: those whose surprise (-log p) is further from the set's entropy than the
+    closest ones that together cover ``typical`` of its probability (rows at 1: none)."""
+    masked = scaled.masked_fill(~kept, float("-inf"))
+    logp = torch.log_softmax(masked, dim=-1)
+    entropy = -(logp * logp.exp()).nansum(dim=-1, keepdim=True)
+    shifted = (-logp - entropy).abs()
+    order_scores, order = shifted.sort(dim=-1)
+    cumulative = masked.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < typical.unsqueeze(1)).sum(dim=1).clamp(max=scaled.shape[-1] - 1)
+    threshold = order_scores.gather(1, last.unsqueeze(1))
+    return (shifted > threshold) & (typical < 1.0).unsqueeze(1)
 
 
 def ban_ends(logits: torch.Tensor, banned: torch.Tensor, ends: torch.Tensor) -> None:

@@ -53,6 +53,13 @@ class GenerationParams:
     top_p: float = 1.0
     top_k: int = 0
     repetition_penalty: float = 1.0
+    # OpenAI's penalties on the tokens this turn has generated: a token's logit loses
+    # presence_penalty once it has appeared and frequency_penalty per appearance.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Locally typical sampling (transformers' TypicalLogitsWarper): only the most
+    # typical tokens, covering this much probability, race; 1 is off.
+    typical_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     # The end-of-sequence token does not end the turn (it is sampled and passed on as
@@ -78,6 +85,11 @@ class GenerationParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def counts_tokens(self) -> bool:
+        """A draw needs the counts of the turn's generated tokens (OpenAI's penalties)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def calls_tools(self) -> bool:
@@ -146,6 +158,9 @@ class GenerationParams:
 # an engine from before them reads every turn that does not use them as ever (a
 # rolling upgrade).
 _LEFT_OUT_AT_DEFAULT = (
+    "presence_penalty",
+    "frequency_penalty",
+    "typical_p",
     "ignore_eos",
     "min_tokens",
     "logprobs",
@@ -241,6 +256,9 @@ _PARAM_CHECKS: dict[str, Any] = {
     # Dividing logits by a tiny penalty overflows them to inf, and sampling
     # then draws NaN: the floor keeps every logit finite.
     "repetition_penalty": _float_in(MIN_REPETITION_PENALTY, 10.0, "repetition_penalty"),
+    "presence_penalty": _float_in(-2.0, 2.0, "presence_penalty"),
+    "frequency_penalty": _float_in(-2.0, 2.0, "frequency_penalty"),
+    "typical_p": _float_in(0.0, 1.0, "typical_p", open_low=True),
     "seed": _seed,
     "stop": _stop,
     "ignore_eos": _flag("ignore_eos"),
@@ -316,6 +334,7 @@ class SessionMeta:
     status: str = ""
     seq: int = 0  # the last event's seq in the latest turn's stream
     control: str = ""  # a Control: stop | pause, asked of the engine running the turn
+    finish: str = ""  # the latest turn's finish_reason, once it has a done ('' before)
     engine: str = ""  # the engine running the turn ('' when none)
     epoch: int = 0  # bumped by every claim: fences an engine taken over
     claimed_at: float = 0.0
