@@ -136,6 +136,14 @@ def test_generate_stream_as_mlserver_documents_it(http: httpx.Client) -> None:
     answer = http.post(f"/v2/models/{MODEL}/infer", json=chat)
     assert answer.status_code == 200 and text_of(answer.json())
 
+    # Triton's generate extension, as TensorRT-LLM's docs curl it: no tensors.
+    flat = {"text_input": PROMPT, "max_tokens": 20, "bad_words": "", "stop_words": ""}
+    generated = http.post(f"/v2/models/{MODEL}/generate", json=flat).json()
+    assert generated["text_output"] == text and generated["model_name"] == MODEL
+    with connect_sse(http, "POST", f"/v2/models/{MODEL}/generate_stream", json=flat) as source:
+        pieces = [json.loads(event.data)["text_output"] for event in source.iter_sse()]
+    assert "".join(pieces) == text
+
 
 @pytest.mark.slow
 def test_a_dropped_stream_resumes_by_count_here_and_on_the_session_route(
@@ -230,6 +238,25 @@ def parse(data: Any, length: str | None = None, raw: bytes | None = None) -> Any
 
 def binary(*strings: bytes) -> bytes:
     return b"".join(struct.pack("<I", len(s)) + s for s in strings)
+
+
+def test_the_generate_extensions_flat_body() -> None:
+    ask = parse({"text_input": "hi", "max_tokens": 5, "parameters": {"temperature": 0}})
+    assert ask.flat and ask.generate.prompt == "hi"
+    assert (ask.generate.params.max_new_tokens, ask.generate.params.temperature) == (5, 0.0)
+    for bad in (
+        {"text_input": 3},
+        {"text_input": "hi", "bad_words": ["x"]},
+        {"text_input": "hi", "x": 1},
+    ):
+        with pytest.raises(OpenAIError):
+            parse(bad)
+    flat = OipTurn(MODEL, "s", 1, None, [1], flat=True)
+    delta: Any = {"type": "delta", "session": "s", "turn": 1, "seq": 2, "text": " a"}
+    assert flat.event(delta) == {
+        "model_name": MODEL, "text_output": " a", "wsinfer_session": "s", "wsinfer_turn": 1,
+        "wsinfer_seq": 2,
+    }  # fmt: skip
 
 
 def test_inputs_as_json_and_binary_tensors() -> None:

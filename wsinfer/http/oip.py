@@ -53,6 +53,11 @@ SAMPLING = {
 IGNORED = frozenset({"binary_data_output", "content_type", "headers"})
 TENSOR_FIELDS = {"name", "shape", "datatype", "parameters", "data"}
 BINARY_SIZE = "binary_data_size"
+# TensorRT-LLM's generate fields, accepted where they ask for nothing.
+FLAT_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "bad_words": (None, "", []),
+    "stop_words": (None, "", []),
+}
 
 
 class OipError(DoorError):
@@ -71,6 +76,7 @@ class OipRequest:
     generate: Generate
     id: str | None
     shape: list[int]  # the input's, given back to the output
+    flat: bool = False  # Triton's generate extension: no tensors, text_output a field
 
 
 def parse_infer_request(
@@ -84,6 +90,8 @@ def parse_infer_request(
     shared checks refuse) or ``OipError``."""
     head, binary = _split(body, header_length)
     data = json_object(head)
+    if "inputs" not in data and "text_input" in data and not binary:
+        return _flat_request(data, limits, session, token)
     check_fields(data, {"id", "parameters", "inputs", "outputs"}, {}, frozenset())
     request_id = data.get("id")
     if request_id is not None and not isinstance(request_id, str):
@@ -100,6 +108,25 @@ def parse_infer_request(
         generate["prompt"] = strings[0]
     turn = as_generate(generate, limits, session, token)
     return OipRequest(turn, request_id, tensor["shape"])
+
+
+def _flat_request(
+    data: dict[str, Any], limits: Limits, session: str | None, token: str | None
+) -> OipRequest:
+    """Triton's generate extension: ``{"text_input": str, "parameters"?}`` with the
+    parameters at the top level too (as TensorRT-LLM's clients send them)."""
+    top = {k: v for k, v in data.items() if k not in ("id", "text_input", "parameters")}
+    check_fields(top, set(SAMPLING), FLAT_OFF_VALUES, IGNORED | {"stream"})
+    request_id = data.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise bad_request("id must be a string", "id")
+    prompt = data["text_input"]
+    if not isinstance(prompt, str):
+        raise bad_request("text_input must be a string", "text_input")
+    nested = _params(data.get("parameters"))
+    params = {**nested, **_params({k: v for k, v in top.items() if k in SAMPLING})}
+    generate = {"type": "generate", "prompt": prompt, "params": params}
+    return OipRequest(as_generate(generate, limits, session, token), request_id, [1], flat=True)
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
@@ -225,10 +252,16 @@ class OipTurn:
     turn: int
     request_id: str | None
     shape: list[int]
+    flat: bool = False
 
     def response(self, text: str, parameters: dict[str, Any]) -> dict[str, Any]:
         """An inference response whose one output is ``text``, a one-string BYTES tensor
-        shaped as the input was (``[1]`` or ``[1, 1]``)."""
+        shaped as the input was (``[1]`` or ``[1, 1]``); for the generate extension's
+        request, its flat answer (``text_output`` and the parameters as fields)."""
+        names = {"wsinfer_session": self.session, "wsinfer_turn": self.turn}
+        if self.flat:
+            head = {"model_name": self.model, OUTPUT: text}
+            return {**head, **names, **parameters}
         output = {
             "name": OUTPUT,
             "shape": [1] * max(1, len(self.shape)),
@@ -236,7 +269,6 @@ class OipTurn:
             "parameters": {"content_type": "str"},
             "data": [text],
         }
-        names = {"wsinfer_session": self.session, "wsinfer_turn": self.turn}
         return {
             "model_name": self.model,
             "id": self.request_id or f"{self.session}-{self.turn}",

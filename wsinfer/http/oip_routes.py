@@ -143,7 +143,7 @@ class OipRoutes:
             return await self._resume(request, model, session, token, after)
         ask = self._parse(request, session, token)
         peer, accepted = await counted.start(self.app, ask.generate)
-        turn = OipTurn(model, accepted["session"], accepted["turn"], ask.id, ask.shape)
+        turn = OipTurn(model, accepted["session"], accepted["turn"], ask.id, ask.shape, ask.flat)
         headers = counted.session_headers(accepted["session"], accepted["token"], turn.turn)
         if stream:
             return self._sse(peer, turn, headers, after=0)
@@ -166,8 +166,8 @@ class OipRoutes:
             raise OipError(400, message)
         ask = self._parse(request, None, None) if request.body.strip() else None
         peer, number = await counted.rejoin(self.app, session, token, after, OipError)
-        shape = ask.shape if ask else [1]
-        turn = OipTurn(model, session, number, ask.id if ask else None, shape)
+        shape, flat = (ask.shape, ask.flat) if ask else ([1], False)
+        turn = OipTurn(model, session, number, ask.id if ask else None, shape, flat)
         return self._sse(peer, turn, counted.session_headers(session, token, number), after)
 
     def _sse(
