@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tests.stack import start_serve, stop_serve
 from wsinfer.http.counted import DoorError
-from wsinfer.http.djl import HAS_TYPICAL_P, DjlError, line, parse_djl_request
+from wsinfer.http.djl import DjlError, line, parse_djl_request
 from wsinfer.http.djl_routes import _lines, is_djl
 from wsinfer.http.openai import OpenAIError
 from wsinfer.messages import Limits
@@ -80,6 +80,7 @@ def test_one_prompt_and_a_batch_merged_by_iteration(base: str) -> None:
     assert all(len(tokens) == 2 for tokens in lines_of(predict(base, short)))
 
     sampled = {"do_sample": True, "manual_seed": 7, "top_k": 5, "max_new_tokens": 8}
+    sampled["typical_p"] = 0.9
     twice = [joined(lines_of(predict(base, {"inputs": PROMPT, "parameters": sampled})))]
     twice.append(joined(lines_of(predict(base, {"inputs": PROMPT, "parameters": sampled}))))
     assert twice[0] == twice[1]  # seeded draws repeat
@@ -133,9 +134,7 @@ def test_refusals_are_djls_errors(base: str) -> None:
         ("/invocations", good, {"X-Wsinfer-Received": "-1"}, 400),
         ("/invocations", good, {"X-Wsinfer-Session": "a, b", "X-Wsinfer-Token": "t"}, 400),
     ]
-    if not HAS_TYPICAL_P:
-        typical = {"inputs": PROMPT, "parameters": {"typical_p": 0.5}}
-        cases.append(("/invocations", typical, {}, 400))
+    cases.append(("/invocations", {"inputs": PROMPT, "parameters": {"typical_p": 0}}, {}, 400))
     for path, body, headers, status in cases:
         answer = predict(base, body, path, **headers)
         assert answer.status_code == status, (path, body, answer.text[:200])
@@ -190,13 +189,9 @@ def test_bad_bodies_are_400s(data: Any) -> None:
     assert refused.status == 400 and refused.body()["type"] == "BadRequestException"
 
 
-def test_typical_p_waits_for_the_sampler() -> None:
-    body = {"inputs": "a", "parameters": {"typical_p": 0.9}}
-    if HAS_TYPICAL_P:
-        assert parse(body).generates[0].params.typical_p == 0.9
-    else:
-        with pytest.raises(OpenAIError, match="typical_p is not supported"):
-            parse(body)
+def test_typical_p_reaches_the_sampler() -> None:
+    body = {"inputs": "a", "parameters": {"typical_p": 0.9, "do_sample": True}}
+    assert parse(body).generates[0].params.typical_p == 0.9
     assert parse({"inputs": "a", "parameters": {"typical_p": None}}).generates
 
 

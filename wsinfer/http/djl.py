@@ -26,7 +26,6 @@ from wsinfer.http.openai import (
     json_object,
 )
 from wsinfer.messages import Generate, Limits
-from wsinfer.sessions.schema import GenerationParams
 
 # DJL's names for wsinfer's parameters (manual_seed: the seed of the draws).
 SAMPLING = {
@@ -34,14 +33,10 @@ SAMPLING = {
     "repetition_penalty": "repetition_penalty",
     "top_p": "top_p",
     "top_k": "top_k",
+    "typical_p": "typical_p",
     "temperature": "temperature",
     "manual_seed": "seed",
 }
-# Typical sampling is honoured once the sampler has it; until then it is refused.
-TYPICAL_P = "typical_p"
-HAS_TYPICAL_P = TYPICAL_P in GenerationParams.__dataclass_fields__
-if HAS_TYPICAL_P:
-    SAMPLING[TYPICAL_P] = TYPICAL_P
 SAMPLING_TEMPERATURE = 1.0  # a sampled turn's, when none is given (Hugging Face's)
 MAX_INPUTS = MAX_CHOICES  # a batch is a session per input, as n choices are
 # DJL's exception names, by status.
@@ -103,10 +98,7 @@ def _params(raw: Any) -> dict[str, Any]:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise bad_request("parameters must be an object", "parameters")
-    if TYPICAL_P in raw and not HAS_TYPICAL_P and raw[TYPICAL_P] is not None:
-        message = "typical_p is not supported: the sampler has no typical sampling yet"
-        raise bad_request(message, TYPICAL_P, "unsupported")
-    check_fields(raw, {*SAMPLING, "do_sample", TYPICAL_P}, {}, frozenset())
+    check_fields(raw, {*SAMPLING, "do_sample"}, {}, frozenset())
     params = {SAMPLING[k]: v for k, v in raw.items() if k in SAMPLING and v is not None}
     if flag(raw, "do_sample"):
         params.setdefault("temperature", SAMPLING_TEMPERATURE)
