@@ -230,14 +230,9 @@ class Client:
     async def send_control(
         self, turn: Turn, kind: ClientMessageType, ack: asyncio.Future[None] | None
     ) -> None:
-        """``stop``, ``pause`` or ``resume`` the turn (repeated after a reconnect)."""
+        """A control of the turn (stop, pause, resume...), repeated after a reconnect."""
         await self._connection()
-        request = {
-            ClientMessageType.STOP: self._core.stop,
-            ClientMessageType.PAUSE: self._core.pause,
-            ClientMessageType.RESUME: self._core.resume,
-        }[kind]
-        request(turn.state, ack)
+        self._core.control(turn.state, kind, ack)
         await self._flush()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from wsinfer.clients.errors import ClientClosed, ConnectionLost, WsinferError, error_from_wire
 from wsinfer.contract import (
+    CLIENT_MESSAGES,
     CONTROL_ANSWERS,
     IDEMPOTENCY_KEY_HEX,
     ClientMessageType,
@@ -261,6 +262,14 @@ class TurnState:
     def text(self) -> str:
         return "".join(self.parts)
 
+    def reopen(self) -> None:
+        """The server says the turn went on past its ``done`` (a continue): its
+        text so far stays, and it is followed again until its next ``done``."""
+        self.finish_reason = None
+        self.usage = None
+        self.error = None
+        self.requested.clear()
+
     def fail(self, exc: WsinferError) -> bool:
         """Give up on the turn; False if it had already ended."""
         if self.finished:
@@ -398,25 +407,29 @@ class ClientProtocol:
         self._track(msg, Pending(ClientMessageType.GENERATE.value, msg, waiter))
         return msg
 
-    def stop(self, turn: TurnState, waiter: Any = None) -> None:
-        turn.requested[ClientMessageType.STOP.value] = waiter
-        if self.connected:
-            self._control(turn, ClientMessageType.STOP.value, waiter)
-            # Only a follower sees the `done`; joining after the stop cannot un-pause it.
+    def control(self, turn: TurnState, kind: ClientMessageType, waiter: Any = None) -> None:
+        """Send a control of the turn (``contract.CLIENT_MESSAGES``), repeated after
+        a reconnect. One answered ``session`` (a resume) is the request that follows
+        the turn again: the server replays what we lack. Any other is sent with a
+        follow, since only a follower sees its answer: after it where the answer
+        can be ``paused`` (a resume sent later would un-pause the turn), else
+        before it (a follow sent first would un-pause a paused turn needlessly)."""
+        spec = CLIENT_MESSAGES[kind]
+        if spec.rejoins:
+            turn.requested.pop(ClientMessageType.PAUSE.value, None)
+            if self.connected:
+                turn.following = False  # it restarts the feed even if we follow
+                self._follow(turn, waiter, kind)
+            return
+        turn.requested[kind.value] = waiter
+        if not self.connected:
+            return
+        if ServerMessageType.PAUSED in spec.answers:
             self._follow(turn, None)
-
-    def pause(self, turn: TurnState, waiter: Any = None) -> None:
-        turn.requested[ClientMessageType.PAUSE.value] = waiter
-        if self.connected:
+            self._control(turn, kind.value, waiter)
+        else:
+            self._control(turn, kind.value, waiter)
             self._follow(turn, None)
-            self._control(turn, ClientMessageType.PAUSE.value, waiter)
-
-    def resume(self, turn: TurnState, waiter: Any = None) -> None:
-        """Follow the turn again (un-pausing it): the server replays what we lack."""
-        turn.requested.pop(ClientMessageType.PAUSE.value, None)
-        if self.connected:
-            turn.following = False  # a resume restarts the feed even if we follow
-            self._follow(turn, waiter)
 
     def attach(self, session: str, token: str, turn: int | None, after: int) -> TurnState:
         """Follow a turn started elsewhere; ``resume`` it with ``resume()``."""
@@ -532,6 +545,9 @@ class ClientProtocol:
             return []
         if turn.turn < 0:
             turn.turn = msg["turn"]  # joined without knowing the turn: adopt it
+        if turn.done and msg.get("status") != TurnStatus.DONE.value:
+            turn.reopen()  # it went on past the done we saw (a continue)
+            self._register(turn)
         event = turn.apply_status(msg.get("status"))
         return [] if event is None else [TurnUpdated(turn, event)]
 
@@ -544,7 +560,7 @@ class ClientProtocol:
             events: list[ClientEvent] = [RequestFailed(pending.kind, pending.waiter, exc)]
             # A refused resume leaves the turn unreachable; a refused stop or
             # pause is its caller's problem only.
-            if pending.kind == ClientMessageType.RESUME.value and pending.turn is not None:
+            if _rejoins(pending.kind) and pending.turn is not None:
                 events += self._fail_turn(pending.turn, exc)
             return events
         # Without an id it can only concern a session's running turn.
@@ -564,15 +580,18 @@ class ClientProtocol:
         msg = control_request(kind, turn.session, turn.token)
         self._track(msg, Pending(kind, msg, waiter, turn))
 
-    def _follow(self, turn: TurnState, waiter: Any) -> None:
-        """``resume`` from the last seq applied here, unless this connection follows already."""
+    def _follow(
+        self, turn: TurnState, waiter: Any, kind: ClientMessageType = ClientMessageType.RESUME
+    ) -> None:
+        """``resume`` (or another control answered ``session``) from the last seq
+        applied here, unless this connection follows already."""
         if turn.following:
             return
         extra: dict[str, Any] = {"after": turn.seq}
         if turn.turn >= 0:  # unknown for a turn joined with attach(turn=None)
             extra["turn"] = turn.turn
-        msg = control_request(ClientMessageType.RESUME.value, turn.session, turn.token, **extra)
-        self._track(msg, Pending(ClientMessageType.RESUME.value, msg, waiter, turn))
+        msg = control_request(kind.value, turn.session, turn.token, **extra)
+        self._track(msg, Pending(kind.value, msg, waiter, turn))
         turn.following = True
 
     def _rejoin(self, turn: TurnState) -> None:
@@ -600,8 +619,7 @@ class ClientProtocol:
         from our seq, would then repeat what the old feed gave. The replay
         restates all of it: nothing is lost by waiting for it.
         """
-        resume = ClientMessageType.RESUME.value
-        return any(p.kind == resume and p.turn is turn for p in self.pending.values())
+        return any(_rejoins(p.kind) and p.turn is turn for p in self.pending.values())
 
     def _register(self, turn: TurnState) -> None:
         self.turns[turn.session] = turn
@@ -612,3 +630,12 @@ class ClientProtocol:
             del self.turns[turn.session]
         for msg_id in [i for i, p in self.pending.items() if p.turn is turn]:
             del self.pending[msg_id]
+
+
+def _rejoins(kind: str) -> bool:
+    """Whether a request of ``kind`` is answered ``session`` and attaches (a resume)."""
+    spec = CLIENT_MESSAGES.get(ClientMessageType(kind)) if kind in _KINDS else None
+    return spec is not None and spec.rejoins
+
+
+_KINDS = frozenset(kind.value for kind in ClientMessageType)

@@ -73,6 +73,10 @@ class SyncTurn:
     def resume(self) -> None:
         self._runner.run(self.aturn.resume())
 
+    def control(self, kind: str) -> None:
+        """Any control of the turn by its type, as ``Turn.control``."""
+        self._runner.run(self.aturn.control(kind))
+
     def stop_soon(self) -> None:
         """Stop without waiting (safe from any thread)."""
         self._runner.loop.call_soon_threadsafe(self.aturn.stop_soon)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from wsinfer.clients.errors import WsinferError
 from wsinfer.clients.protocol import ChatMessage, TurnState
-from wsinfer.contract import ClientMessageType, Usage
+from wsinfer.contract import CLIENT_MESSAGES, ClientMessageType, Usage
 
 
 class Client(Protocol):
@@ -181,6 +181,28 @@ class Turn:
 
     # --- control ---------------------------------------------------------------
 
+    async def control(self, kind: ClientMessageType | str) -> None:
+        """Send a control of the turn by its type (``contract.CLIENT_MESSAGES``) and
+        wait for what answers it: a stop's ``done``; a pause's ``paused`` (or the
+        turn's end); for one answered ``session`` (a resume), the turn streaming
+        again, or its end. A refusal raises."""
+        kind = ClientMessageType(kind)
+        seen, was_finished = self._events, self.finished
+        ack = new_ack()
+        await self._client.send_control(self, kind, ack)
+        if CLIENT_MESSAGES[kind].rejoins:
+            # A `paused` replayed from before the resume is not "streaming again".
+            await self._until(
+                lambda: (
+                    (self._events != seen and not self.paused)
+                    or (self.finished and not was_finished)
+                ),
+                ack,
+            )
+            self._raise_if_failed()
+        else:
+            await self._until(lambda: self.finished or self.state.answered(kind), ack)
+
     async def stop(self, *, wait: bool = True) -> str | None:
         """Ask the server to end the turn; by default wait for its ``done``.
 
@@ -188,11 +210,10 @@ class Turn:
         """
         if self.finished:
             return self.finish_reason
-        ack = new_ack()
-        await self._client.send_control(self, ClientMessageType.STOP, ack)
         if wait:
-            answered = self.state.answered
-            await self._until(lambda: self.finished or answered(ClientMessageType.STOP), ack)
+            await self.control(ClientMessageType.STOP)
+        else:
+            await self._client.send_control(self, ClientMessageType.STOP, new_ack())
         return self.finish_reason
 
     async def pause(self) -> int:
@@ -200,22 +221,13 @@ class Turn:
         pausing = ClientMessageType.PAUSE.value in self.state.requested
         if self.finished or (pausing and self.paused):
             return self.seq
-        ack = new_ack()
-        await self._client.send_control(self, ClientMessageType.PAUSE, ack)
-        answered = self.state.answered
-        await self._until(lambda: self.finished or answered(ClientMessageType.PAUSE), ack)
+        await self.control(ClientMessageType.PAUSE)
         return self.seq
 
     async def resume(self) -> None:
         """Continue a paused turn; returns once the server streams again."""
-        if self.finished:
-            return
-        seen = self._events
-        ack = new_ack()
-        await self._client.send_control(self, ClientMessageType.RESUME, ack)
-        # A `paused` replayed from before the resume is not "streaming again".
-        await self._until(lambda: (self._events != seen and not self.paused) or self.finished, ack)
-        self._raise_if_failed()
+        if not self.finished:
+            await self.control(ClientMessageType.RESUME)
 
     def stop_soon(self) -> None:
         """Stop without waiting, from code that must not await (e.g. a finalizer)."""

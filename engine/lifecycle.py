@@ -66,6 +66,9 @@ class EngineRequest:
     params: GenerationParams
     generated_ids: list[int] = field(default_factory=list)
     cache_key: str | None = None
+    # The whole text of ``generated_ids`` is out, what a detokenizer holds back
+    # included: the turn ended once (its end flushed that text) and goes on.
+    released: bool = False
 
 
 @dataclass
@@ -251,6 +254,8 @@ class CoreBase:
             # Rebuild the detokenizer: its text up to here was already published.
             if token not in ends:
                 detok.add(token)
+        if request.released:
+            detok.flush()  # what it would hold back went out with the turn's end
         seed = params.seed if params.seed is not None else fresh_seed()
         tokens = list(request.prompt_ids) + list(request.generated_ids)
         return self._sequence_type()(request, tokens, detok, seed, len(request.generated_ids))

@@ -37,7 +37,7 @@ from enum import StrEnum
 from string import Template
 from typing import Any
 
-from wsinfer.contract import TurnStatus
+from wsinfer.contract import FinishReason, TurnStatus
 from wsinfer.sessions.schema import Control
 from wsinfer.sessions.scripting import Script, arg, counted, key, packed, rest_keys
 from wsinfer.sessions.states import FLAG_PREFIX, Effect
@@ -66,6 +66,7 @@ _NAMES = {
     **{f"EFFECT_{effect.name}": effect.value for effect in Effect},
     **{f"FLAG_{flag.name}": flag.value for flag in Control if flag.value},
     **{f"REPLY_{reply.name}": reply.value for reply in Reply},
+    **{f"FINISH_{reason.name}": reason.value for reason in FinishReason},
     "FLAG_PREFIX": FLAG_PREFIX,
 }
 
@@ -103,9 +104,10 @@ local function watched(meta, at)
     redis.call('HSET', meta, 'seen_at', at)
   end
 end
+-- (The reason in double quotes: single-quoted names are the meta's fields.)
 local function cancel(meta, stream, done_event, done_status)
   redis.call('XADD', stream, '*', 'm', done_event)
-  redis.call('HSET', meta, 'status', done_status, 'control', '')
+  redis.call('HSET', meta, 'status', done_status, 'control', '', 'finish', "$FINISH_CANCELLED")
 end
 -- The guards: each answers nil when the call may go on, else the reply that
 -- refuses it, so that a script reads ``local refused = a() or b()``.
@@ -190,7 +192,7 @@ if tonumber(redis.call('HGET', meta, 'turn')) + 1 ~= tonumber(next_turn) then
   return {'$REPLY_STALE'}
 end
 redis.call('HSET', meta, 'turn', next_turn, 'status', target, 'seq', 0, 'control', '',
-           'engine', '', 'seen_at', now, 'prompt_tokens', 0, 'cached_tokens', 0)
+           'engine', '', 'seen_at', now, 'prompt_tokens', 0, 'cached_tokens', 0, 'finish', '')
 if idem_hash ~= '' then redis.call('HSET', meta, 'idem:' .. idem_hash, next_turn) end
 -- When the turn started, for the OpenAI routes' ``created``: the same however
 -- often, and on whichever frontend, the turn is read.
@@ -220,8 +222,11 @@ class ControlCall(Script):
     expected_counters: str = arg()
     paused_event: bytes = arg()
     cancelled_event: bytes = arg()
-    # effect: one of states.Effect's values
-    candidates: Sequence[tuple[str, str, str]] = counted("allowed_from", "target", "effect")
+    # effect: one of states.Effect's values; finished: the meta's ``finish`` the
+    # turn must have ('' for any)
+    candidates: Sequence[tuple[str, str, str, str]] = counted(
+        "allowed_from", "target", "effect", "finished"
+    )
 
 
 CONTROL = _declare(
@@ -233,7 +238,9 @@ local status = redis.call('HGET', meta, 'status')
 local seq = redis.call('HGET', meta, 'seq')
 for _, candidate in ipairs(candidates) do
   local to, effect = candidate.target, candidate.effect
-  if allowed(status, candidate.allowed_from) then
+  local finished = candidate.finished
+  local ended_so = finished == '' or redis.call('HGET', meta, 'finish') == finished
+  if allowed(status, candidate.allowed_from) and ended_so then
     local writes = effect == '$EFFECT_CANCEL' or effect == '$EFFECT_PAUSE'
     if writes and counters(meta) ~= expected_counters then return {'$REPLY_MOVED'} end
     redis.call('HSET', meta, 'status', to)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from wsinfer.contract import ClientMessageType, TurnStatus
+from wsinfer.contract import ClientMessageType, FinishReason, TurnStatus
 from wsinfer.sessions.schema import Control
 
 
@@ -57,6 +57,7 @@ class Outcome(Enum):
     APPLY = "apply"  # the store moves the turn, or flags it for the engine running it
     REPORT_PAUSED = "report_paused"  # already paused: the requester is told so again
     NOTHING = "nothing"  # the turn is followed as it is (a done one's ``done`` was sent)
+    REFUSE = "refuse"  # not in this status: a ``conflict``, and nothing changes
 
 
 # An effect that sets the meta's ``control`` flag for the engine: this, then the flag.
@@ -88,10 +89,15 @@ class ControlRule:
     action: Action | None = None
     effect: Effect | None = None
     leads_to: TurnStatus | None = None
+    # Only a turn that ended so: the store checks it with the status, atomically
+    # (the meta's ``finish``, which the engine's final publish records).
+    finished: FinishReason | None = None
 
 
-def _apply(action: Action, effect: Effect, leads_to: TurnStatus) -> ControlRule:
-    return ControlRule(Outcome.APPLY, action, effect, leads_to)
+def _apply(
+    action: Action, effect: Effect, leads_to: TurnStatus, finished: FinishReason | None = None
+) -> ControlRule:
+    return ControlRule(Outcome.APPLY, action, effect, leads_to, finished)
 
 
 _M, _S = ClientMessageType, TurnStatus
@@ -114,6 +120,14 @@ CONTROL: dict[tuple[ClientMessageType, TurnStatus], ControlRule] = {
     (_M.RESUME, _S.PAUSED): _apply(Action.RESUME, Effect.REQUEUE, _S.QUEUED),
     (_M.RESUME, _S.DONE): ControlRule(Outcome.NOTHING),  # its history is replayed
 }
+
+
+def required_finish(action: Action) -> FinishReason | None:
+    """How a turn must have ended for ``action`` (a row's ``finished``), if at all."""
+    for rule in CONTROL.values():
+        if rule.action is action and rule.finished is not None:
+            return rule.finished
+    return None
 
 
 def store_candidates(message: ClientMessageType) -> list[tuple[Action, Effect]]:

@@ -56,6 +56,7 @@ from wsinfer.sessions.states import (
     Effect,
     IllegalTransition,
     allowed_from,
+    required_finish,
     statuses_arg,
     store_candidates,
     target,
@@ -279,7 +280,7 @@ class SessionStore:
         the table's transitions for it that the turn's status allows."""
         candidates = store_candidates(ClientMessageType(action))
         rows = [
-            (statuses_arg(allowed_from(act)), target(act).value, effect.value)
+            (statuses_arg(allowed_from(act)), target(act).value, effect.value, _finish_arg(act))
             for act, effect in candidates
         ]
         for _ in range(MOVED_RETRIES):
@@ -508,3 +509,9 @@ __all__ = [
     "TurnInput",
     "hash_token",
 ]
+
+
+def _finish_arg(action: Action) -> str:
+    """How the turn must have ended for ``action``, as CONTROL receives it ('' for any)."""
+    finished = required_finish(action)
+    return finished.value if finished else ""

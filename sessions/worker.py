@@ -67,6 +67,9 @@ class Published:
     ids: list[int]
     seq: int
     text: str
+    # The seq of the latest ``done`` the stream holds, which a turn goes on past
+    # only once continued (0: it never ended).
+    ended_at: int = 0
 
 
 @dataclass
@@ -377,11 +380,14 @@ class WorkerStore:
 
     def read_published(self, session: str, turn: int) -> Published:
         """Everything the turn's deltas hold, from one read of its stream."""
-        deltas = [e for e in self._events(session, turn) if isinstance(e, DeltaEvent)]
+        events = self._events(session, turn)
+        deltas = [e for e in events if isinstance(e, DeltaEvent)]
+        ends = [e.seq for e in events if isinstance(e, DoneEvent)]
         return Published(
             [token for e in deltas for token in e.tokens],
             deltas[-1].seq if deltas else 0,
             "".join(e.model_text for e in deltas),
+            ends[-1] if ends else 0,
         )
 
     def _events(self, session: str, turn: int) -> list[TurnEvent]:
@@ -451,6 +457,9 @@ class WorkerStore:
         fields: list[str] = []
         for name, value in item.fields.items():  # strings: Lua would print big numbers as 1e+15
             fields += [name, str(value)]
+        last = item.events[-1] if final is Action.FINISH else None
+        if isinstance(last, DoneEvent):  # how it ended, for a control that asks (a continue)
+            fields += ["finish", last.finish_reason]
         return [
             item.epoch,
             item.seq,

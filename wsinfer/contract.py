@@ -37,16 +37,93 @@ class ServerMessageType(str, Enum):
     ERROR = "error"
 
 
-# What answers a control of a turn to the client that sent it, which follows the
-# turn as any follower does: a stop ends in the turn's ``done``; a pause in
-# ``paused``, or ``done`` if the turn ended first; a resume is answered
-# ``session`` (then the turn's messages). The server's control table
-# (``sessions/states.py``), its HTTP routes and the clients read it.
-CONTROL_ANSWERS: dict[ClientMessageType, tuple[ServerMessageType, ...]] = {
-    ClientMessageType.STOP: (ServerMessageType.DONE,),
-    ClientMessageType.PAUSE: (ServerMessageType.PAUSED, ServerMessageType.DONE),
-    ClientMessageType.RESUME: (ServerMessageType.SESSION,),
+class FieldKind(str, Enum):
+    """What a client message's field holds, as its parser checks it."""
+
+    NAME = "name"  # a non-empty string of at most MAX_NAME_CHARS (a session, a token)
+    COUNT = "count"  # an integer >= 0 (a seq)
+    ORDINAL = "ordinal"  # an integer >= 1 (a turn)
+    # generate's own, whose checks span fields (wsinfer/messages.py)
+    MESSAGES = "messages"
+    TEXT = "text"
+    PARAMS = "params"
+    KEY = "key"  # an idempotency key
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: FieldKind
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    """One client message, declared once: its fields (beside ``type`` and ``id``),
+    what answers it to its sender, and whether it acts on a session's latest turn.
+
+    The server's parser (``wsinfer/messages.py``), the plan it is worked through
+    (``wsinfer/protocol.py``), the HTTP door's session routes, the clients'
+    request builders and the generated ``contract.js`` all read it; what a turn
+    control does in each turn status is its rows in ``sessions/states.py``.
+    """
+
+    type: ClientMessageType
+    fields: tuple[Field, ...]
+    # What answers it: a stop ends in the turn's ``done``; a pause in ``paused``, or
+    # ``done`` if the turn ended first; a resume is answered ``session`` (then the
+    # turn's messages); nothing answers a close.
+    answers: tuple[ServerMessageType, ...] = ()
+    # A control of a turn: it has rows in the state table, and the HTTP door
+    # serves it as ``POST /v1/sessions/{session}/<type>``.
+    controls_turn: bool = False
+
+    @property
+    def rejoins(self) -> bool:
+        """A control answered ``session``, then the turn's messages (a resume):
+        its sender follows the turn from then on."""
+        return self.controls_turn and self.answers == (ServerMessageType.SESSION,)
+
+    def field_names(self) -> frozenset[str]:
+        return frozenset({"type", "id", *(f.name for f in self.fields)})
+
+
+_SESSION_FIELDS = (Field("session", FieldKind.NAME, True), Field("token", FieldKind.NAME, True))
+# Which of a turn's messages to replay (the seq already received), and which turn.
+_REPLAY_FIELDS = (Field("after", FieldKind.COUNT), Field("turn", FieldKind.ORDINAL))
+_M, _A = ClientMessageType, ServerMessageType
+
+# docs/protocol.md, "Messages": every message a client sends.
+CLIENT_MESSAGES: dict[ClientMessageType, MessageSpec] = {
+    _M.GENERATE: MessageSpec(
+        _M.GENERATE,
+        (
+            Field("messages", FieldKind.MESSAGES),
+            Field("prompt", FieldKind.TEXT),
+            Field("params", FieldKind.PARAMS),
+            Field("session", FieldKind.NAME),
+            Field("token", FieldKind.NAME),
+            Field("idempotency_key", FieldKind.KEY),
+        ),
+        answers=(_A.SESSION,),
+    ),
+    _M.STOP: MessageSpec(_M.STOP, _SESSION_FIELDS, answers=(_A.DONE,), controls_turn=True),
+    _M.PAUSE: MessageSpec(
+        _M.PAUSE, _SESSION_FIELDS, answers=(_A.PAUSED, _A.DONE), controls_turn=True
+    ),
+    _M.RESUME: MessageSpec(
+        _M.RESUME, _SESSION_FIELDS + _REPLAY_FIELDS, answers=(_A.SESSION,), controls_turn=True
+    ),
+    _M.CLOSE: MessageSpec(_M.CLOSE, _SESSION_FIELDS),
 }
+
+# What answers each control of a turn to the client that sent it, which follows the
+# turn as any follower does (from the declarations above).
+CONTROL_ANSWERS: dict[ClientMessageType, tuple[ServerMessageType, ...]] = {
+    kind: spec.answers for kind, spec in CLIENT_MESSAGES.items() if spec.controls_turn
+}
+# A session or token the server keeps, or an id it echoes: bounded.
+MAX_NAME_CHARS = 256
 
 
 class ErrorCode(str, Enum):

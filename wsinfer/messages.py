@@ -16,11 +16,15 @@ import msgpack
 
 from wsinfer import tools as tool_calling
 from wsinfer.contract import (
+    CLIENT_MESSAGES,
+    MAX_NAME_CHARS,
     ClientMessageType,
     DeltaMessage,
     DoneMessage,
     ErrorCode,
     ErrorMessage,
+    FieldKind,
+    MessageSpec,
     PausedMessage,
     ServerMessage,
     ServerMessageType,
@@ -37,7 +41,7 @@ SUBPROTOCOLS = (JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL)
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 # The server echoes a client's id: a long one would be sent back in every answer.
-MAX_ID_CHARS = 256
+MAX_ID_CHARS = MAX_NAME_CHARS
 # A message nests as deep as the JSON Schemas it carries (a tool's parameters, a
 # response_format): 32 levels hold any schema a person writes; anything deeper is
 # hostile, and is refused before anything recurses on it.
@@ -77,7 +81,7 @@ class Generate:
 
 @dataclass(frozen=True)
 class SessionCommand:
-    """stop, pause, close: they name a session and prove ownership."""
+    """A control that names a session and proves ownership (stop, pause, close)."""
 
     type: ClientMessageType
     id: str | int | None
@@ -87,11 +91,15 @@ class SessionCommand:
 
 @dataclass(frozen=True)
 class Resume:
+    """A control answered ``session`` that attaches its sender to the turn
+    (a resume), replaying the turn's messages after ``after``."""
+
     id: str | int | None
     session: str
     token: str
     after: int = 0
     turn: int | None = None
+    type: ClientMessageType = ClientMessageType.RESUME
 
 
 ClientMessage = Generate | SessionCommand | Resume
@@ -162,7 +170,7 @@ def message_id(data: Any) -> str | int | None:
     return None
 
 
-def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:
+def _check_fields(data: dict[str, Any], allowed: frozenset[str]) -> None:
     unknown = sorted(_echo(k) for k in data if k not in allowed)
     if unknown:
         raise BadRequest(f"unknown fields: {', '.join(unknown[:8])}")
@@ -217,9 +225,7 @@ def _parse_message(item: Any, index: int) -> dict[str, str]:
 
 
 def _parse_generate(data: dict[str, Any], limits: Limits) -> Generate:
-    _check_fields(
-        data, {"type", "id", "messages", "prompt", "session", "token", "params", "idempotency_key"}
-    )
+    _check_fields(data, CLIENT_MESSAGES[ClientMessageType.GENERATE].field_names())
     if ("messages" in data) == ("prompt" in data):
         raise BadRequest("generate takes exactly one of messages or prompt")
     messages = _parse_messages(data["messages"], limits) if "messages" in data else None
@@ -250,33 +256,53 @@ def _idempotency_key(data: dict[str, Any]) -> str | None:
     return key
 
 
-def _parse_command(data: dict[str, Any], _: Limits) -> SessionCommand:
-    _check_fields(data, {"type", "id", "session", "token"})
-    return SessionCommand(
-        ClientMessageType(data["type"]),
-        message_id(data),
-        _string(data, "session", MAX_ID_CHARS),
-        _string(data, "token", MAX_ID_CHARS),
-    )
+def _parse_declared(data: dict[str, Any], spec: MessageSpec) -> dict[str, Any]:
+    """A control's fields as its declaration types them: only those, each checked."""
+    _check_fields(data, spec.field_names())
+    values: dict[str, Any] = {}
+    for declared in spec.fields:
+        if declared.name in data or declared.required:
+            values[declared.name] = _READERS[declared.kind](data, declared.name)
+    return values
 
 
-def _parse_resume(data: dict[str, Any], _: Limits) -> Resume:
-    _check_fields(data, {"type", "id", "session", "token", "after", "turn"})
-    after, turn = data.get("after", 0), data.get("turn")
-    if isinstance(after, bool) or not isinstance(after, int) or after < 0:
-        raise BadRequest("after must be a non-negative integer")
-    if turn is not None and (isinstance(turn, bool) or not isinstance(turn, int) or turn < 1):
-        raise BadRequest("turn must be a positive integer")
-    session, token = _string(data, "session", MAX_ID_CHARS), _string(data, "token", MAX_ID_CHARS)
-    return Resume(message_id(data), session, token, after, turn)
+def _name(data: dict[str, Any], name: str) -> str:
+    return _string(data, name, MAX_ID_CHARS)
+
+
+def _count(data: dict[str, Any], name: str) -> int:
+    value = data[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequest(f"{name} must be a non-negative integer")
+    return value
+
+
+def _ordinal(data: dict[str, Any], name: str) -> int | None:
+    value = data[name]
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise BadRequest(f"{name} must be a positive integer")
+    return value
+
+
+_READERS: dict[FieldKind, Any] = {
+    FieldKind.NAME: _name,
+    FieldKind.COUNT: _count,
+    FieldKind.ORDINAL: _ordinal,
+}
+
+
+def _parse_control(data: dict[str, Any], _: Limits) -> SessionCommand | Resume:
+    kind = ClientMessageType(data["type"])
+    spec = CLIENT_MESSAGES[kind]
+    values = _parse_declared(data, spec)
+    if spec.rejoins:
+        return Resume(message_id(data), type=kind, **values)
+    return SessionCommand(kind, message_id(data), **values)
 
 
 _PARSERS: dict[str, Any] = {
-    ClientMessageType.GENERATE.value: _parse_generate,
-    ClientMessageType.STOP.value: _parse_command,
-    ClientMessageType.PAUSE.value: _parse_command,
-    ClientMessageType.CLOSE.value: _parse_command,
-    ClientMessageType.RESUME.value: _parse_resume,
+    kind.value: _parse_generate if kind is ClientMessageType.GENERATE else _parse_control
+    for kind in CLIENT_MESSAGES
 }
 
 

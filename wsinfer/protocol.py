@@ -43,6 +43,7 @@ from wsinfer.commands import (
     Unsubscribe,
 )
 from wsinfer.contract import (
+    CLIENT_MESSAGES,
     ClientMessageType,
     ErrorCode,
     FinishReason,
@@ -170,9 +171,9 @@ class ConnectionProtocol:
         """What ``message`` does, as commands for the I/O layer to execute."""
         if isinstance(message, Generate):
             return Plan(self._generate(message))
-        if isinstance(message, Resume):
+        if isinstance(message, Resume):  # a control answered ``session``: it attaches
             return Plan(self._resume(message))
-        if message.type is ClientMessageType.CLOSE:
+        if not CLIENT_MESSAGES[message.type].controls_turn:  # close
             return Plan(self._close(message))
         return Plan(self._control(message))
 
@@ -202,7 +203,7 @@ class ConnectionProtocol:
             raise NotFound(f"session has no turn {turn}")
         # Only the latest turn can be unfinished: an earlier one ended before it started.
         status = found.status if turn == found.turn else TurnStatus.DONE
-        yield from self._rejoin(msg.id, msg.session, msg.token, turn, status, msg.after)
+        yield from self._rejoin(msg.id, msg.session, msg.token, turn, status, msg.after, msg.type)
 
     def _rejoin(
         self,
@@ -212,16 +213,23 @@ class ConnectionProtocol:
         turn: int,
         status: TurnStatus,
         after: int,
+        kind: ClientMessageType = ClientMessageType.RESUME,
     ) -> Steps:
-        """Answer ``session`` with the turn's status and attach: a paused turn
-        continues, since whoever rejoins it wants its answer."""
+        """Answer ``session`` with the turn's status and attach, after applying
+        ``kind`` where its row says so: a resume continues a paused turn, since
+        whoever rejoins it wants its answer."""
         resumed_at: int | None = None
-        if CONTROL[(ClientMessageType.RESUME, status)].outcome is Outcome.APPLY:  # paused
-            outcome = yield Control(session, token, turn, ClientMessageType.RESUME)
+        reaction = CONTROL[(kind, status)].outcome
+        if reaction is Outcome.REFUSE:
+            raise Conflict(f"cannot {kind.value} a turn that is {status.value}")
+        if reaction is Outcome.APPLY:
+            outcome = yield Control(session, token, turn, kind)
             if isinstance(outcome, Controlled):
                 status, resumed_at = outcome.status, outcome.seq
-            else:  # another client resumed or stopped it first: follow it as it is
-                status = _status_after_refusal(_expect(outcome, Refused).current)
+            else:  # another client moved it first: follow it as it is, where the row allows
+                current = _expect(outcome, Refused).current
+                _reaction_to_refusal(kind, current)
+                status = _status_after_refusal(current)
         self._queue(session_message(session, token, turn, status, msg_id))
         yield from self._attach(session, turn, after, resumed_at)
 
@@ -233,6 +241,8 @@ class ConnectionProtocol:
             self._check_follow_limit(msg.session)
             yield from self._attach(msg.session, found.turn, after=found.seq)
         reaction = CONTROL[(msg.type, found.status)].outcome
+        if reaction is Outcome.REFUSE:
+            raise Conflict(f"cannot {msg.type.value} a turn that is {found.status.value}")
         if reaction is Outcome.APPLY:
             outcome = yield Control(msg.session, msg.token, found.turn, msg.type)
             if isinstance(outcome, Refused):  # the turn moved on since the lookup
@@ -310,11 +320,10 @@ class ConnectionProtocol:
         self._queue(paused_message(session, turn, seq))
 
     def replay(self, session: str, turn: int, events: list[TurnEvent]) -> None:
-        """Deliver a turn's history: a ``paused`` that was later resumed is stale."""
+        """Deliver a turn's history: an end the turn went on past (a ``paused``
+        later resumed, a ``done`` later continued) is stale."""
         last_index = len(events) - 1
-        current = [
-            e for i, e in enumerate(events) if not isinstance(e, PausedEvent) or i == last_index
-        ]
+        current = [e for i, e in enumerate(events) if not _is_end(e) or i == last_index]
         self.deliver(session, turn, current)
 
     def deliver(self, session: str, turn: int, events: list[TurnEvent]) -> None:
@@ -376,11 +385,18 @@ class ConnectionProtocol:
             return Outgoing(self.codec.encode(error), error)
 
 
-def _without_resumed_pause(events: list[TurnEvent], resumed_at: int | None) -> list[TurnEvent]:
-    """A turn's history without the pause that this request has just resumed.
+def _is_end(event: TurnEvent) -> bool:
+    """An event that ends a run of the turn's deltas: a later one can follow it
+    only once the turn has been resumed (or continued)."""
+    return isinstance(event, (PausedEvent, DoneEvent))
 
-    That pause was the stream's last event when the resume was applied; one
-    that follows it is newer (another pause since) and stays. A pause at the
+
+def _without_resumed_pause(events: list[TurnEvent], resumed_at: int | None) -> list[TurnEvent]:
+    """A turn's history without the end (a pause; a done, for a continue) that
+    this request has just moved the turn on from.
+
+    That end was the stream's last event when the control was applied; one
+    that follows it is newer (another pause since) and stays. An end at the
     same seq right after another is taken for the newer one: at worst a stale
     ``paused`` is sent, never a current one lost.
     """
@@ -388,7 +404,7 @@ def _without_resumed_pause(events: list[TurnEvent], resumed_at: int | None) -> l
         return events
 
     def resumed_pause(event: TurnEvent | None) -> bool:
-        return isinstance(event, PausedEvent) and event.seq == resumed_at
+        return event is not None and _is_end(event) and event.seq == resumed_at
 
     before = events[-2] if len(events) > 1 else None
     if resumed_pause(events[-1]) and not resumed_pause(before):
@@ -397,11 +413,12 @@ def _without_resumed_pause(events: list[TurnEvent], resumed_at: int | None) -> l
 
 
 def _reaction_to_refusal(action: ClientMessageType, current: str) -> Outcome:
-    """The store refused a stop/pause the lookup allowed: the turn changed in
-    between. Paused or done meanwhile reads as for that status; else conflict."""
+    """The store refused a control the lookup allowed: the turn changed in
+    between. Paused or done meanwhile reads as for that status; else (and where
+    the store's own check refused it, such as a row's ``finished``) conflict."""
     rule = CONTROL.get((action, _status_after_refusal(current)))
     reaction = rule.outcome if rule is not None else Outcome.APPLY
-    if reaction is Outcome.APPLY:
+    if reaction in (Outcome.APPLY, Outcome.REFUSE):
         raise Conflict(f"cannot {action.value} a turn that is {current}")
     return reaction
 

@@ -54,8 +54,26 @@ export const Subprotocol = Object.freeze({
   MSGPACK: "wsinfer.v1.msgpack",
 });
 
+export const FieldKind = Object.freeze({
+  NAME: "name",
+  COUNT: "count",
+  ORDINAL: "ordinal",
+  MESSAGES: "messages",
+  TEXT: "text",
+  PARAMS: "params",
+  KEY: "key",
+});
+
 export const CloseCode = Object.freeze({
   SERVICE_RESTART: 1012,
+});
+
+export const CLIENT_MESSAGES = Object.freeze({
+  generate: {"fields": [{"name": "messages", "kind": "messages", "required": false}, {"name": "prompt", "kind": "text", "required": false}, {"name": "params", "kind": "params", "required": false}, {"name": "session", "kind": "name", "required": false}, {"name": "token", "kind": "name", "required": false}, {"name": "idempotency_key", "kind": "key", "required": false}], "answers": ["session"], "controls_turn": false, "rejoins": false},
+  stop: {"fields": [{"name": "session", "kind": "name", "required": true}, {"name": "token", "kind": "name", "required": true}], "answers": ["done"], "controls_turn": true, "rejoins": false},
+  pause: {"fields": [{"name": "session", "kind": "name", "required": true}, {"name": "token", "kind": "name", "required": true}], "answers": ["paused", "done"], "controls_turn": true, "rejoins": false},
+  resume: {"fields": [{"name": "session", "kind": "name", "required": true}, {"name": "token", "kind": "name", "required": true}, {"name": "after", "kind": "count", "required": false}, {"name": "turn", "kind": "ordinal", "required": false}], "answers": ["session"], "controls_turn": true, "rejoins": true},
+  close: {"fields": [{"name": "session", "kind": "name", "required": true}, {"name": "token", "kind": "name", "required": true}], "answers": [], "controls_turn": false, "rejoins": false},
 });
 
 export const CONTROL_ANSWERS = Object.freeze({

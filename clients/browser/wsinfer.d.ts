@@ -1,5 +1,10 @@
 // Type declarations for wsinfer-client (wsinfer.js), wsinfer protocol v1.
 
+import type { ControlType } from "./contract.js";
+
+/** The controls of a turn, as declared in wsinfer/contract.py (generated). */
+export type { ControlType };
+
 export declare const PROTOCOL_VERSION: 1;
 export declare const SUBPROTOCOL: "wsinfer.v1.json";
 
@@ -209,6 +214,8 @@ export declare class WsinferTurn extends EventTarget implements AsyncIterable<st
   toolCalls: ToolCall[];
   /** starting, running or paused. */
   readonly active: boolean;
+  /** A control of the turn by its type (`stop`, `pause`, `resume`...). */
+  control(type: ControlType): void;
   stop(): void;
   pause(): void;
   resume(): void;

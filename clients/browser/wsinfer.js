@@ -24,6 +24,7 @@
 // wsinfer/contract.py.
 
 import {
+  CLIENT_MESSAGES,
   ClientErrorCode,
   ClientMessageType as Send,
   ERROR_CLASSES,
@@ -166,23 +167,30 @@ export class WsinferTurn extends EventTarget {
     return LIVE.has(this.status);
   }
 
+  /** Send a control of the turn (contract.js `CLIENT_MESSAGES`): one answered
+   * `session` (a resume) follows the turn again from the last applied seq. */
+  control(type) {
+    if (CLIENT_MESSAGES[type]?.rejoins) this.client._resumeTurn(this, false, type);
+    else this.client._control(this, type);
+  }
+
   /** End the turn now; it finishes with `done`, finishReason "cancelled". */
   stop() {
     if (!this.active) return;
-    this.client._control(this, Send.STOP);
+    this.control(Send.STOP);
   }
 
   /** Halt generation but keep the turn; answered by a `paused` event. */
   pause() {
     if (!this.live) return;
-    this.client._control(this, Send.PAUSE);
+    this.control(Send.PAUSE);
   }
 
   /** Continue a paused turn (or re-attach after anything): no gap, no repeat. */
   resume() {
     if (!this.active) return;
     if (this.status === TurnStatus.PAUSED) this.status = TurnStatus.RUNNING; // the server continues it
-    this.client._resumeTurn(this);
+    this.control(Send.RESUME);
   }
 
   [Symbol.asyncIterator]() {
@@ -396,9 +404,9 @@ export class WsinferClient extends EventTarget {
     return false;
   }
 
-  _resumeTurn(turn, restoring = false) {
+  _resumeTurn(turn, restoring = false, type = Send.RESUME) {
     if (!this.session) return;
-    const msg = { type: Send.RESUME, session: this.session, token: this.sessionToken, after: turn.seq };
+    const msg = { type, session: this.session, token: this.sessionToken, after: turn.seq };
     if (turn.turn != null) msg.turn = turn.turn;
     if (restoring) this._announce.add(msg.id = this._newId()); // say "resumed" once it is sent
     this._request(msg, turn);
@@ -595,7 +603,7 @@ export class WsinferClient extends EventTarget {
   _restarting(turn) {
     if (turn._refused) return true; // events since were dropped: wait for a replay
     for (const p of this._pending.values()) {
-      if (p.turn === turn && p.type === Send.RESUME) return true;
+      if (p.turn === turn && CLIENT_MESSAGES[p.type]?.rejoins) return true;
     }
     return false;
   }

@@ -69,6 +69,7 @@ def test_npm_pack(tmp_path: Path) -> None:
         for n in (
             "LICENSE",
             "README.md",
+            "contract.d.ts",
             "contract.js",
             "package.json",
             "wsinfer.d.ts",

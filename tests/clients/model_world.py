@@ -32,6 +32,7 @@ from wsinfer.clients.protocol import (
     TurnState,
     TurnUpdated,
 )
+from wsinfer.contract import ClientMessageType
 
 Message = dict[str, Any]
 SESSION, TOKEN, TURN = "s1", "k1", 1
@@ -203,7 +204,7 @@ class PythonClient:
 
     def resume(self) -> list[Message]:
         if self.turn is not None and not self.turn.finished:
-            self.core.resume(self.turn)
+            self.core.control(self.turn, ClientMessageType.RESUME)
         return self.core.data_to_send()
 
     def tick(self) -> list[Message]:

@@ -30,7 +30,7 @@ from wsinfer.clients.protocol import (
     generate_request,
     parse_server_message,
 )
-from wsinfer.contract import TurnStatus
+from wsinfer.contract import ClientMessageType, TurnStatus
 
 
 def delta(seq: int, text: str, turn: int = 1) -> dict[str, object]:
@@ -221,12 +221,12 @@ def test_rejoin_repeats_stop_then_resume_then_pause() -> None:
     core.connection_made()
     turn = _started(core, core.generate("caller", prompt="hi"))
     core.receive({"type": "delta", "session": "s1", "turn": 1, "seq": 3, "text": "abc"})
-    core.pause(turn, "pause-ack")
+    core.control(turn, ClientMessageType.PAUSE, "pause-ack")
     core.data_to_send()
     core.connection_lost()
     resent = core.connection_made()
     assert [(m["type"], m.get("after")) for m in resent] == [("resume", 3), ("pause", None)]
-    core.stop(turn, "stop-ack")
+    core.control(turn, ClientMessageType.STOP, "stop-ack")
     core.connection_lost()
     assert [m["type"] for m in core.connection_made()] == ["stop", "resume"]
 
@@ -235,7 +235,7 @@ def test_a_confirmed_pause_is_not_resumed_by_a_reconnect() -> None:
     core = ClientProtocol()
     core.connection_made()
     turn = _started(core, core.generate("caller", prompt="hi"))
-    core.pause(turn)
+    core.control(turn, ClientMessageType.PAUSE)
     core.receive({"type": "paused", "session": "s1", "turn": 1, "seq": 0})
     assert turn.paused and not turn.live and not core.wants_connection()
     core.connection_lost()
@@ -255,7 +255,7 @@ def test_a_refused_resume_fails_the_turn() -> None:
     core = ClientProtocol()
     core.connection_made()
     turn = core.attach("s9", "k", None, 0)
-    core.resume(turn, "ack")
+    core.control(turn, ClientMessageType.RESUME, "ack")
     [resume] = core.data_to_send()
     events = core.receive({"type": "error", "id": resume["id"], "code": "not_found"})
     assert [type(e) for e in events] == [RequestFailed, TurnFailed]

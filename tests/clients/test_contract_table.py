@@ -32,6 +32,7 @@ CODES = _values(contract.ErrorCode, contract.ClientErrorCode)
 def test_contract_js_is_generated_from_contract_py() -> None:
     stale = "stale: run `python -m wsinfer.clients.gen_contract`"
     assert gen_contract.TARGET.read_text() == gen_contract.render(), stale
+    assert gen_contract.TYPES.read_text() == gen_contract.render_types(), stale
 
 
 def test_generator_writes_every_enum() -> None:

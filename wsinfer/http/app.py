@@ -27,7 +27,13 @@ from wsinfer.access import (
     request_path,
     shorten,
 )
-from wsinfer.contract import CONTROL_ANSWERS, ClientMessageType, ServerMessageType, TurnStatus
+from wsinfer.contract import (
+    CLIENT_MESSAGES,
+    CONTROL_ANSWERS,
+    ClientMessageType,
+    ServerMessageType,
+    TurnStatus,
+)
 from wsinfer.handlers import to_protocol_error
 from wsinfer.http.choices import ManyChoices
 from wsinfer.http.completions import TextCompletion, parse_completion_request
@@ -58,6 +64,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("wsinfer.http")
 
+# The session routes' controls: every message the contract declares a control of a turn.
+_CONTROLS = "|".join(kind.value for kind, spec in CLIENT_MESSAGES.items() if spec.controls_turn)
 MAX_DIGITS = 18  # a seq or turn number; longer is no integer we could have sent
 
 
@@ -80,7 +88,7 @@ class HttpApp:
             ),
             (re.compile(r"/v1/sessions/(?P<session>\w+)/stream"), {"GET": self.stream}),
             (
-                re.compile(r"/v1/sessions/(?P<session>\w+)/(?P<action>stop|pause|resume)"),
+                re.compile(rf"/v1/sessions/(?P<session>\w+)/(?P<action>{_CONTROLS})"),
                 {"POST": self.control},
             ),
         ]
@@ -336,11 +344,12 @@ class HttpApp:
 
     async def control(self, request: HttpRequest, session: str, action: str) -> HttpResponse:
         token = _session_token(request)
-        if action == "resume":
-            return await self._unpause(session, token)
+        kind = ClientMessageType(action)
+        if CLIENT_MESSAGES[kind].rejoins:
+            return await self._unpause(session, token, kind)
         peer = self.open_peer()
         try:
-            command = SessionCommand(ClientMessageType(action), None, session, token)
+            command = SessionCommand(kind, None, session, token)
             await peer.handlers.handle(command)
             # A stop ends in done; a pause in paused, or done if the turn ended first.
             # (The replay may show an older pause of a turn resumed since: not the answer.)
@@ -356,13 +365,16 @@ class HttpApp:
             body["finish_reason"] = outcome["finish_reason"]
         return HttpResponse.json(200, body)
 
-    async def _unpause(self, session: str, token: str) -> HttpResponse:
-        """Continue a paused turn as a WebSocket ``resume`` does, through the plan
-        (a turn resumed or stopped meanwhile by another is answered as it is), but
-        without staying attached: ``GET .../stream`` attaches."""
+    async def _unpause(
+        self, session: str, token: str, kind: ClientMessageType = ClientMessageType.RESUME
+    ) -> HttpResponse:
+        """A control answered ``session`` (a resume: continue a paused turn), as
+        on a WebSocket, through the plan (a turn resumed or stopped meanwhile by
+        another is answered as it is), but without staying attached:
+        ``GET .../stream`` attaches."""
         peer = self.open_peer()
         try:
-            await peer.handlers.handle(Resume(None, session, token))
+            await peer.handlers.handle(Resume(None, session, token, type=kind))
             answer, seq = peer.rejoined()
         finally:
             self.close_peer(peer)

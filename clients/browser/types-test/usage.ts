@@ -20,6 +20,7 @@ async function ask(question: string): Promise<string> {
   });
   let text = "";
   for await (const piece of turn) text += piece;
+  turn.control("pause"); // any control of a turn by its declared type
   const done: DoneDetail = await turn.finished;
   return done.finishReason === "length" ? text + "…" : text;
 }
