@@ -38,7 +38,9 @@ from wsinfer.handlers import to_protocol_error
 from wsinfer.http.choices import ManyChoices
 from wsinfer.http.completions import TextCompletion, parse_completion_request
 from wsinfer.http.connection import HttpConnection, HttpRequest, HttpResponse
+from wsinfer.http.djl_routes import DjlRoutes, is_djl
 from wsinfer.http.host import Handler
+from wsinfer.http.oip_routes import OipRoutes, is_oip
 from wsinfer.http.openai import (
     SESSION_HEADER,
     SSE_KEEPALIVE,
@@ -80,6 +82,8 @@ class HttpApp:
             (re.compile(r"/v1/completions"), {"POST": self.completions}),
             *ResponsesRoutes(self).routes(),
             *TgiRoutes(self).routes(),
+            *OipRoutes(self).routes(),
+            *DjlRoutes(self).routes(),
             (re.compile(r"/v1/models"), {"GET": self.models}),
             (re.compile(r"/v1/models/(?P<model>[^/]+)"), {"GET": self.model}),
             (
@@ -152,7 +156,8 @@ class HttpApp:
 
     async def _route(self, request: HttpRequest) -> HttpResponse:
         path = request_path(request.target)
-        tgi = is_tgi(request.method, path)  # TGI's routes live outside /v1/
+        # The peers' own doors (TGI, Open Inference Protocol v2, DJL) live outside /v1/.
+        tgi = is_tgi(request.method, path) or is_oip(path) or is_djl(path)
         if (not path.startswith("/v1/") or path == "/v1/ws") and not tgi:
             return await self._plain(request)
         access = self.frontend.access
