@@ -26,7 +26,9 @@ CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_REQUEST_HEADERS = (
     "Authorization, Content-Type, Last-Event-ID, X-Wsinfer-Session, X-Wsinfer-Token"
 )
-CORS_EXPOSED_HEADERS = "Retry-After, X-Wsinfer-Session, X-Wsinfer-Token, X-Wsinfer-Turn"
+CORS_EXPOSED_HEADERS = (
+    "Retry-After, X-Wsinfer-Session, X-Wsinfer-Token, X-Wsinfer-Turn, X-Wsinfer-Ignored-Fields"
+)
 CORS_MAX_AGE_S = 600
 
 

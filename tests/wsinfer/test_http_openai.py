@@ -8,12 +8,15 @@ from typing import Any
 import pytest
 
 from wsinfer.errors import EngineUnavailable, Overloaded
+from wsinfer.http.completions import parse_completion_request
 from wsinfer.http.openai import (
     Completion,
     OpenAIError,
+    ignored_headers,
     parse_chat_request,
     sse_for,
 )
+from wsinfer.http.responses import parse_response_request
 from wsinfer.messages import Limits
 
 USER = [{"role": "user", "content": "hi"}]
@@ -40,7 +43,7 @@ def test_openai_names_become_generate_params() -> None:
     assert values == (5, 1.2) and extended.params.ignore_eos and extended.params.min_tokens == 3
     with pytest.raises(OpenAIError, match="ignore_eos must be true or false"):
         parse(ignore_eos="yes")
-    with pytest.raises(OpenAIError, match="min_tokens must not be above max_new_tokens"):
+    with pytest.raises(OpenAIError, match="min_tokens must not be above max_tokens"):
         parse(min_tokens=9, max_tokens=8)
 
 
@@ -171,3 +174,93 @@ def test_sse_ids_are_seqs_and_the_stream_ends_with_done() -> None:
     failed = {**done, "finish_reason": "error", "error": {"code": "internal", "message": "boom"}}
     first = sse_for(completion, failed, True).decode().split("\n\n")[0]
     assert json.loads(first.removeprefix("data: "))["error"]["message"] == "boom"
+
+
+def complete(**body: Any) -> Any:
+    data = {"model": "m", "prompt": "hi", **body}
+    return parse_completion_request(json.dumps(data).encode(), Limits(), "m", None, None)
+
+
+def respond(**body: Any) -> Any:
+    data = {"model": "m", "input": "hi", **body}
+    return parse_response_request(json.dumps(data).encode(), Limits(), "m")
+
+
+def refusal(parse_with: Any, **body: Any) -> OpenAIError:
+    with pytest.raises(OpenAIError) as caught:
+        parse_with(**body)
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_the_old_model_name_and_the_served_one_are_both_answered() -> None:
+    for parse_with in (parse, complete, respond):
+        for name in ("m", "wsinfer"):
+            parse_with(model=name)
+        with pytest.raises(OpenAIError) as caught:
+            parse_with(model="gpt-4")
+        assert (caught.value.status, caught.value.code) == (404, "model_not_found")
+
+
+def test_the_penalties_and_typical_p_reach_the_turn_on_every_route() -> None:
+    body = {"presence_penalty": 1.5, "frequency_penalty": -0.5}
+    for parse_with in (parse, complete, respond):
+        params = parse_with(**body).generate.params
+        assert (params.presence_penalty, params.frequency_penalty) == (1.5, -0.5)
+    for parse_with in (parse, complete):  # an extension, as llama.cpp's server takes it
+        assert parse_with(typical_p=0.5).generate.params.typical_p == 0.5
+    for parse_with in (parse, complete, respond):
+        error = refusal(parse_with, presence_penalty=2.5)
+        assert error.param == "presence_penalty" and "[-2.0, 2.0]" in error.message
+
+
+@pytest.mark.parametrize(
+    ("parse_with", "body", "param"),
+    [
+        (parse, {"max_tokens": 0}, "max_tokens"),
+        (parse, {"max_completion_tokens": 5000}, "max_completion_tokens"),
+        (parse, {"max_completion_tokens": 4, "min_tokens": 9}, "min_tokens"),
+        (parse, {"stop": ["x" * 65]}, "stop"),
+        (complete, {"max_tokens": 0}, "max_tokens"),
+        (complete, {"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+        (respond, {"max_output_tokens": 0}, "max_output_tokens"),
+        (respond, {"top_p": 0}, "top_p"),
+        (respond, {"text": {"format": {"type": "yaml"}}}, "text.format"),
+    ],
+)
+def test_every_error_names_the_field_as_the_client_spelled_it(
+    parse_with: Any, body: dict[str, Any], param: str
+) -> None:
+    error = refusal(parse_with, **body)
+    assert error.param == param, error.message
+    assert param in error.message
+    assert "max_new_tokens" not in error.message and "response_format" not in error.message
+
+
+def test_a_tool_message_without_its_call_id_is_refused_as_at_openai() -> None:
+    said = {"role": "tool", "content": "sunny"}
+    error = refusal(parse, messages=[{"role": "user", "content": "hi"}, said])
+    assert error.param == "messages[1].tool_call_id"
+    assert "Missing required parameter" in error.message
+
+
+def test_fields_that_change_nothing_are_accepted_and_named_as_ignored() -> None:
+    chat = parse(
+        store=True, metadata={"a": "b"}, user="u", service_tier="auto", reasoning_effort="low",
+        modalities=["text"], prediction={"type": "content", "content": "x"},
+    )  # fmt: skip
+    assert chat.ignored == (
+        "store", "metadata", "user", "service_tier", "reasoning_effort", "prediction"
+    )  # fmt: skip
+    assert ignored_headers(chat.ignored) == [
+        ("X-Wsinfer-Ignored-Fields", "store, metadata, user, service_tier, reasoning_effort, "
+         "prediction"),
+    ]  # fmt: skip
+    assert parse().ignored == () and ignored_headers(()) == []
+    assert parse(user=None).ignored == ()  # null: nothing was asked
+    assert complete(user="u", store=False).ignored == ("user", "store")
+    response = respond(store=False, reasoning={"effort": "low"}, truncation="auto", user="u")
+    assert response.ignored == ("store", "reasoning", "truncation", "user")
+    # What would change the output is still refused.
+    assert refusal(parse, modalities=["text", "audio"]).code == "unsupported"
+    assert refusal(respond, reasoning={"effort": "low", "budget": 3}).param == "reasoning"

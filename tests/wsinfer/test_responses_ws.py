@@ -174,7 +174,7 @@ async def test_refusals_are_openai_error_events_and_the_socket_goes_on(
         bad: list[tuple[dict[str, Any], int, str | None]] = [
             ({"input": "x", "background": True}, 400, "background"),
             ({"input": "x", "temperature": 9}, 400, None),
-            ({"input": "x", "reasoning": {"effort": "high"}}, 400, "reasoning"),
+            ({"input": "x", "reasoning": {"effort": "high", "budget": 9}}, 400, "reasoning"),
             ({"input": "x", "previous_response_id": "resp_nope_1_x"}, 404, None),
             ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
         ]

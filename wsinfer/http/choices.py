@@ -28,6 +28,7 @@ from wsinfer.http.openai import (
     combined_usage,
     delta_chunk,
     failure,
+    ignored_headers,
     openai_usage,
     sse,
     sse_comment,
@@ -70,6 +71,7 @@ class ManyChoices:
         ]
         tokens = ", ".join(a["token"] for a in accepted)
         headers = [(TOKEN_HEADER, tokens), *turn_headers(completions)]
+        headers += ignored_headers(chat.ignored)
 
         readers: list[asyncio.Task[None]] = []  # a streamed answer's, one per choice
 

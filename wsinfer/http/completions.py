@@ -28,6 +28,7 @@ from wsinfer.http.openai import (
     check_model,
     choices,
     flag,
+    ignored_fields,
     json_object,
     openai_finish_reason,
     openai_usage,
@@ -71,8 +72,9 @@ def parse_completion_request(
             raise bad_request(message, "logprobs")
         params.update(logprobs=True, top_logprobs=top)
     generate = {"type": "generate", "prompt": _prompt(data.get("prompt")), "params": params}
-    text = as_generate(generate, limits, session, token)
-    return ChatRequest(text, stream, include_usage, choices(data))
+    names = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
+    text = as_generate(generate, limits, session, token, names)
+    return ChatRequest(text, stream, include_usage, choices(data), ignored_fields(data, IGNORED))
 
 
 def _prompt(raw: Any) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +26,17 @@ from wsinfer.contract import (
 )
 from wsinfer.errors import BadRequest, WsinferError
 from wsinfer.messages import MAX_DEPTH, Generate, Limits, check_value, parse_client_message
+from wsinfer.sessions.schema import GenerationParams, ParamsError
 
 OBJECT_CHUNK = "chat.completion.chunk"
 # The headers that name an answer's session(s), token(s) and turn(s).
 SESSION_HEADER = "X-Wsinfer-Session"
 TOKEN_HEADER = "X-Wsinfer-Token"
 TURN_HEADER = "X-Wsinfer-Turn"
+# The request's fields that were accepted and ignored (they change nothing we produce).
+IGNORED_HEADER = "X-Wsinfer-Ignored-Fields"
+# The model id clients were given before the served model's own name: still answered.
+LEGACY_MODEL_NAME = "wsinfer"
 
 # Protocol error code -> HTTP status; the OpenAI SDKs pick their exception by status.
 STATUS_BY_CODE = {
@@ -45,13 +51,25 @@ STATUS_BY_CODE = {
     "engine_unavailable": 503,
 }
 
-# Accepted and ignored: they change nothing about the tokens we produce.
-IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
+# Accepted and ignored: they change nothing about the tokens we produce (storage,
+# billing and abuse tracking; a reasoning effort, which no template here is given;
+# a prediction, which OpenAI uses only to answer sooner, never otherwise).
+IGNORED = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+        "reasoning_effort",
+        "prediction",
+    }
+)
 # Accepted only at the value that means "feature off".
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
+    "modalities": (None, ["text"]),  # text is all we write
     "functions": (None, []),  # the deprecated form of tools
     "function_call": (None, "none"),
 }
@@ -64,6 +82,9 @@ PARAMS = {
     "stop": "stop",
     "top_k": "top_k",
     "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "typical_p": "typical_p",  # an extension, as llama.cpp's server takes it
     "ignore_eos": "ignore_eos",
     "min_tokens": "min_tokens",
     "logprobs": "logprobs",
@@ -150,6 +171,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     n: int = 1
+    ignored: tuple[str, ...] = ()  # the fields accepted and ignored, in the body's order
 
 
 def parse_chat_request(
@@ -166,8 +188,25 @@ def parse_chat_request(
         "messages": _messages(data.get("messages")),
         "params": params_of(data),
     }
-    chat = as_generate(generate, limits, session, token)
-    return ChatRequest(chat, stream, include_usage, choices(data))
+    chat = as_generate(generate, limits, session, token, client_names(data))
+    return ChatRequest(chat, stream, include_usage, choices(data), ignored_fields(data, IGNORED))
+
+
+def client_names(data: dict[str, Any]) -> dict[str, str]:
+    """Our params' names as this request spelled them (for its errors): the token
+    limit is ``max_tokens`` or ``max_completion_tokens``, whichever it sent."""
+    limit = "max_completion_tokens" if data.get("max_completion_tokens") is not None else None
+    return {"max_new_tokens": limit or "max_tokens"}
+
+
+def ignored_fields(data: dict[str, Any], ignored: frozenset[str]) -> tuple[str, ...]:
+    """The ``ignored`` fields the body holds (with a value), in its order."""
+    return tuple(name for name in data if name in ignored and data[name] is not None)
+
+
+def ignored_headers(names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``X-Wsinfer-Ignored-Fields`` naming them (none without any)."""
+    return [(IGNORED_HEADER, ", ".join(names))] if names else []
 
 
 def choices(data: dict[str, Any]) -> int:
@@ -187,7 +226,7 @@ def check_model(data: dict[str, Any], model: str) -> None:
         return
     if not isinstance(data["model"], str):
         raise bad_request("model must be a string, the name of the model served", "model")
-    if data["model"] != model:
+    if data["model"] not in (model, LEGACY_MODEL_NAME):
         raise OpenAIError(
             404, f"The model {shorten(data['model'], 64)!r} does not exist; "
             f"this server serves {model!r}",
@@ -196,17 +235,39 @@ def check_model(data: dict[str, Any], model: str) -> None:
 
 
 def as_generate(
-    generate: dict[str, Any], limits: Limits, session: str | None, token: str | None
+    generate: dict[str, Any],
+    limits: Limits,
+    session: str | None,
+    token: str | None,
+    names: dict[str, str] | None = None,
 ) -> Generate:
-    """A ``generate`` map checked by the WebSocket door's own parser."""
+    """A ``generate`` map checked by the WebSocket door's own parser; a refused param
+    is named as the client spelled it (``names``: ours -> theirs, where they differ)."""
     if session is not None or token is not None:
         generate.update(session=session, token=token)
+    try:
+        GenerationParams.parse(generate.get("params"))
+    except ParamsError as exc:
+        raise params_error(str(exc), names or {}) from exc
     try:
         parsed = parse_client_message(generate, limits)
     except WsinferError as exc:
         raise OpenAIError.from_wsinfer(exc) from exc
     assert isinstance(parsed, Generate)
     return parsed
+
+
+def params_error(message: str, names: dict[str, str]) -> OpenAIError:
+    """A refused param's 400, in the client's names: ``param`` is the first one named."""
+    for ours, theirs in names.items():
+        message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)
+    spelled = [names.get(name, name) for name in GenerationParams.__dataclass_fields__]
+    found = [(m.start(), name) for name in spelled if (m := _word(name).search(message))]
+    return bad_request(message, min(found)[1] if found else None)
+
+
+def _word(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(?<![\w.]){re.escape(name)}(?![\w])")
 
 
 def json_object(body: bytes) -> dict[str, Any]:
@@ -292,6 +353,9 @@ def _message(item: Any, index: int) -> dict[str, Any]:
         message["content"] = _content(item.get("content"), f"{param}.content")
     if item.get("tool_call_id") is not None:
         message["tool_call_id"] = item["tool_call_id"]
+    elif role == "tool":  # OpenAI's rule (the WebSocket protocol does without the id)
+        missing = f"{param}.tool_call_id"
+        raise bad_request(f"Missing required parameter: '{missing}'.", missing)
     return message
 
 

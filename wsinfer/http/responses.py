@@ -34,6 +34,7 @@ from wsinfer.http.openai import (
     check_fields,
     check_model,
     flag,
+    ignored_fields,
     json_object,
 )
 from wsinfer.messages import Generate, Limits
@@ -48,14 +49,18 @@ MAX_ID_PART = 256  # a session id or token longer than this is none we issued
 _KNOWN = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
     "stream", "background", "previous_response_id", "metadata", "include", "top_logprobs",
-    "text", "tools", "tool_choice", "parallel_tool_calls",
+    "text", "tools", "tool_choice", "parallel_tool_calls", "presence_penalty",
+    "frequency_penalty",
 }  # fmt: skip
 # What ``include`` may ask for: the output text's log-probabilities.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
-_IGNORED = IGNORED | {"truncation", "prompt_cache_key", "safety_identifier", "stream_options"}
+# ``reasoning``: its effort and summary are for reasoning models, which none served here
+# is (no template is told of them; a summary of no reasoning is none).
+_IGNORED = IGNORED | {"truncation", "stream_options", "reasoning"}
+# What the client's names for our params are, in its errors.
+_NAMES = {"max_new_tokens": "max_output_tokens", "response_format": "text.format"}
 # Accepted only at the value that means "feature off".
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "reasoning": (None,),
     "max_tool_calls": (None,),
     "conversation": (None,),
     "prompt": (None,),
@@ -111,6 +116,7 @@ class ResponseRequest:
     previous: ResponseId | None
     instructions: str | None
     metadata: dict[str, str]
+    ignored: tuple[str, ...] = ()  # the fields accepted and ignored, in the body's order
 
 
 def parse_response_request(body: bytes, limits: Limits, model: str) -> ResponseRequest:
@@ -123,6 +129,7 @@ def response_request(data: dict[str, Any], limits: Limits, model: str) -> Respon
     """A create's fields (a body, or a WebSocket ``response.create`` without its
     envelope), checked alike on both doors."""
     check_fields(data, _KNOWN, _OFF_VALUES, _IGNORED)
+    _reasoning(data.get("reasoning"))
     check_model(data, model)
     instructions = data.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -135,6 +142,7 @@ def response_request(data: dict[str, Any], limits: Limits, model: str) -> Respon
         limits,
         previous.session if previous else None,
         previous.token if previous else None,
+        _NAMES,
     )
     return ResponseRequest(
         generate,
@@ -143,11 +151,29 @@ def response_request(data: dict[str, Any], limits: Limits, model: str) -> Respon
         previous,
         instructions,
         _metadata(data.get("metadata")),
+        ignored_fields(data, _IGNORED - {"metadata"}),  # metadata is echoed: not ignored
     )
 
 
+def _reasoning(raw: Any) -> None:
+    """``reasoning``: OpenAI's shape, ``{effort?, summary?}`` (ignored: see _IGNORED)."""
+    if raw is None:
+        return
+    keys = {"effort", "summary", "generate_summary"}
+    if not isinstance(raw, dict) or set(raw) - keys:
+        raise bad_request("reasoning takes only effort and summary", "reasoning")
+    if not all(value is None or isinstance(value, str) for value in raw.values()):
+        raise bad_request("reasoning's effort and summary are strings", "reasoning")
+
+
 def _params(data: dict[str, Any]) -> dict[str, Any]:
-    names = {"max_output_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p"}
+    names = {
+        "max_output_tokens": "max_new_tokens",
+        "temperature": "temperature",
+        "top_p": "top_p",
+        "presence_penalty": "presence_penalty",
+        "frequency_penalty": "frequency_penalty",
+    }
     params = {ours: data[theirs] for theirs, ours in names.items() if data.get(theirs) is not None}
     top = data.get("top_logprobs")
     if _include(data.get("include")) or top:

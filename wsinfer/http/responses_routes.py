@@ -21,6 +21,7 @@ from wsinfer.http.openai import (
     SSE_KEEPALIVE,
     TURN_HEADER,
     bad_request,
+    ignored_headers,
     sse_comment,
     turn_error,
 )
@@ -63,15 +64,15 @@ class ResponsesRoutes:
         config = self.frontend.config
         ask = parse_response_request(request.body, config.limits, config.model_name)
         peer, view, status = await self.start(ask)
-        rid = view.rid
+        headers = [*_headers(view.rid), *ignored_headers(ask.ignored)]
         if ask.stream:
             stream = self._sse(peer, ResponseEvents(view, -1), status)
-            return self.app.sse_answer(stream, _headers(rid), lambda: self.app.close_peer(peer))
+            return self.app.sse_answer(stream, headers, lambda: self.app.close_peer(peer))
         if ask.background:  # answered at once; the turn runs on, unwatched
             self.app.close_peer(peer)
-            return HttpResponse.json(200, view.body(status, None), _headers(rid))
+            return HttpResponse.json(200, view.body(status, None), headers)
         try:
-            return await self._whole(peer, view, _headers(rid))
+            return await self._whole(peer, view, headers)
         finally:
             self.app.close_peer(peer)
 
