@@ -72,6 +72,21 @@ def resolve_spec(spec: str | None, revision: str | None = None) -> ModelSource:
     return _hub_source(spec, revision)
 
 
+def served_name(spec: str | None) -> str:
+    """The name the engine will report for ``spec`` (``ModelSource.name``), without
+    resolving it (no download, no check): a GGUF file's stem, a directory's name, a
+    Hub id or a ``fake:`` spec as given. The OpenAI routes list the model by it."""
+    if spec is None:
+        gguf = default_gguf_path()
+        return gguf.stem if gguf is not None else DEFAULT_HUB_MODEL
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.stem
+    if path.is_dir():
+        return path.resolve().name
+    return spec
+
+
 def _default_source() -> ModelSource:
     """The bundled GGUF if its package is installed, else the Hub's copy of the model."""
     gguf = default_gguf_path()

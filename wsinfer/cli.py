@@ -218,8 +218,10 @@ def _add_frontend(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model-name",
-        default=_env("MODEL_NAME", "wsinfer"),
-        help="the model id the OpenAI-compatible HTTP routes answer to",
+        default=_env("MODEL_NAME"),
+        help="the model id the OpenAI-compatible HTTP routes list and answer to, besides "
+        "'wsinfer' (default: serve's model by the name its engine reports, as a GGUF "
+        "file's stem; a frontend's 'wsinfer')",
     )
 
 
@@ -472,8 +474,20 @@ def _frontend_config(args: argparse.Namespace, redis_url: str) -> Any:
         allowed_origins=frozenset(args.allowed_origins),
         allowed_hosts=frozenset(args.allowed_hosts),
         touch_interval_s=touch_interval(args.idle_pause),
-        model_name=args.model_name,
+        model_name=model_name(args),
     )
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """``--model-name``, else the name of the model ``serve`` runs (a frontend on its
+    own is not told which model its engines run: ``wsinfer``)."""
+    if args.model_name:
+        return str(args.model_name)
+    if getattr(args, "command", None) != "serve":
+        return "wsinfer"
+    from wsinfer.engine.resolve import served_name
+
+    return served_name(args.model)
 
 
 def touch_interval(idle_pause_s: float) -> float:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from wsinfer.cli import _engine_argv, build_parser, engine_configs
+from wsinfer.cli import _engine_argv, build_parser, engine_configs, model_name
+from wsinfer.engine.resolve import DEFAULT_HUB_MODEL, default_gguf_path
 
 
 def engine_args(*argv: str):  # type: ignore[no-untyped-def]
@@ -323,3 +324,24 @@ def test_not_gguf_and_no_cuda_are_refused_before_anything_loads(tmp_path: Path) 
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--device cuda:1: this torch is a CPU build"):
             resolve_device("cuda:1")
+
+
+def test_serve_lists_its_model_by_the_name_its_engine_reports(tmp_path: Path) -> None:
+    """A GGUF file's stem, a directory's name, a Hub id as given; ``--model-name`` wins,
+    and a frontend on its own (which is not told the model) keeps ``wsinfer``."""
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"")
+    (tmp_path / "my-model").mkdir()
+    cases = {
+        ("serve", "--model", str(gguf)): "SmolLM2-135M-Instruct.Q4_1",
+        ("serve", "--model", str(tmp_path / "my-model")): "my-model",
+        ("serve", "--model", "org/some-model"): "org/some-model",
+        ("serve", "--model", "fake:100"): "fake:100",
+        ("serve", "--model", "org/m", "--model-name", "alias"): "alias",
+        ("frontend",): "wsinfer",
+    }
+    for argv, name in cases.items():
+        assert model_name(build_parser().parse_args(list(argv))) == name, argv
+    default = model_name(build_parser().parse_args(["serve"]))
+    gguf_default = default_gguf_path()
+    assert default == (gguf_default.stem if gguf_default else DEFAULT_HUB_MODEL)
