@@ -13,6 +13,7 @@ from wsinfer.http.openai import (
     Completion,
     OpenAIError,
     ignored_headers,
+    mark_closed,
     parse_chat_request,
     sse_for,
 )
@@ -264,3 +265,19 @@ def test_fields_that_change_nothing_are_accepted_and_named_as_ignored() -> None:
     # What would change the output is still refused.
     assert refusal(parse, modalities=["text", "audio"]).code == "unsupported"
     assert refusal(respond, reasoning={"effort": "low", "budget": 3}).param == "reasoning"
+
+
+def test_a_closed_sessions_cancelled_turn_ends_cancelled_a_stopped_ones_stop() -> None:
+    completion = Completion("s", 2, "m", 0)
+    usage = {"prompt_tokens": 1, "completion_tokens": 2, "cached_tokens": 0}
+    done: Any = {"type": "done", "session": "s", "turn": 2, "seq": 2, "usage": usage}
+    stopped = {**done, "finish_reason": "cancelled"}
+    closed = {**done, "finish_reason": "cancelled"}
+    mark_closed(closed)
+    for message, reason in ((stopped, "stop"), (closed, "cancelled")):
+        chunk = sse_for(completion, message, False).decode().split("\n")[1][len("data: ") :]
+        assert json.loads(chunk)["choices"][0]["finish_reason"] == reason
+        assert completion.whole("x", message)["choices"][0]["finish_reason"] == reason
+    length = {**done, "finish_reason": "length"}
+    mark_closed(length)  # only a cancelled turn ended with its session
+    assert completion.whole("x", length)["choices"][0]["finish_reason"] == "length"

@@ -28,6 +28,7 @@ from wsinfer.http.openai import (
     combined_usage,
     delta_chunk,
     failure,
+    finish_reason_of,
     ignored_headers,
     openai_usage,
     sse,
@@ -148,7 +149,7 @@ class ManyChoices:
                     elif message["type"] == "paused":
                         yield sse_comment(f"choice {index} paused at seq {message['seq']}")
                     elif message["type"] == "done":
-                        yield sse(completion.chunk({}, message["finish_reason"]))
+                        yield sse(completion.chunk({}, finish_reason_of(message)))
                         usages[index] = openai_usage(message["usage"])
             if include_usage:
                 usage = combined_usage([usages[i] for i in range(len(peers))])

@@ -27,6 +27,7 @@ from wsinfer.http.openai import (
     check_fields,
     check_model,
     choices,
+    finish_reason_of,
     flag,
     ignored_fields,
     json_object,
@@ -148,7 +149,7 @@ class TextCompletion(Completion):
         logprobs: list[dict[str, Any]] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,  # a text session has none
     ) -> dict[str, Any]:
-        reason = openai_finish_reason(done["finish_reason"])
+        reason = openai_finish_reason(finish_reason_of(done))
         legacy = None if logprobs is None else TextOffsets().legacy(logprobs)
         choice = {"index": self.index, "text": text, "logprobs": legacy, "finish_reason": reason}
         return self._envelope(OBJECT, choices=[choice], usage=openai_usage(done["usage"]))

@@ -13,7 +13,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from wsinfer.access import shorten
 from wsinfer.contract import (
@@ -442,7 +442,7 @@ class Completion:
             "index": self.index,
             "message": message,
             "logprobs": chat_logprobs(logprobs),
-            "finish_reason": openai_finish_reason(done["finish_reason"]),
+            "finish_reason": openai_finish_reason(finish_reason_of(done)),
         }
         return self._envelope(
             "chat.completion", choices=[choice], usage=openai_usage(done["usage"])
@@ -467,8 +467,26 @@ def chat_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None
 
 def openai_finish_reason(reason: str) -> str:
     """A turn's finish reason as OpenAI clients know them: a turn a client stopped
-    (wsinfer's ``cancelled``) ended its text there, which OpenAI calls ``stop``."""
-    return "stop" if reason == "cancelled" else reason
+    (wsinfer's ``cancelled``) ended its text there, which OpenAI calls ``stop``; one
+    whose session was deleted under it (``CLOSED``) is ``cancelled``, as the
+    protocol's followers of a closed session are told."""
+    return {"cancelled": "stop", CLOSED: "cancelled"}.get(reason, reason)
+
+
+# The reason of a turn that ended because its session was closed (DELETE), which the
+# protocol's ``done`` tells apart from a stop only by the session being gone: the HTTP
+# peer marks such a done (``mark_closed``) when it reads it.
+CLOSED = "closed"
+
+
+def mark_closed(done: DoneMessage) -> None:
+    cast(dict[str, Any], done)[CLOSED] = True
+
+
+def finish_reason_of(done: DoneMessage) -> str:
+    """A done's finish reason, ``CLOSED`` for a cancelled one the peer marked closed."""
+    closed = cast(dict[str, Any], done).get(CLOSED) and done["finish_reason"] == "cancelled"
+    return CLOSED if closed else done["finish_reason"]
 
 
 def openai_usage(usage: UsageFields) -> dict[str, Any]:
@@ -532,7 +550,7 @@ def sse_for(completion: Completion, message: ServerMessage, include_usage: bool)
         return b""
     if message["finish_reason"] == "error":
         return sse(turn_error(message).body()) + SSE_DONE
-    out = sse(completion.chunk({}, message["finish_reason"]), message["seq"])
+    out = sse(completion.chunk({}, finish_reason_of(message)), message["seq"])
     if include_usage:
         out += sse(completion.usage_chunk(openai_usage(message["usage"])))
     return out + SSE_DONE

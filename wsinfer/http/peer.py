@@ -21,7 +21,9 @@ import structlog
 from wsinfer.contract import DoneMessage, PausedMessage, ServerMessage, SessionMessage
 from wsinfer.errors import BadRequest
 from wsinfer.handlers import Handlers
+from wsinfer.http.openai import mark_closed
 from wsinfer.protocol import ConnectionProtocol
+from wsinfer.sessions.connect import OUTAGE_ERRORS
 from wsinfer.sessions.schema import TurnEvent
 from wsinfer.waiting import wait_set
 
@@ -85,15 +87,31 @@ class HttpPeer:
         self._wakeup.set()
 
     async def messages(self, timeout: float) -> list[ServerMessage]:
-        """What the protocol has to send now, waiting up to ``timeout`` ([] if nothing)."""
+        """What the protocol has to send now, waiting up to ``timeout`` ([] if nothing).
+        A cancelled ``done`` of a session that no longer exists is marked closed."""
         while True:
             out = [*self._held, *(o.message for o in self.protocol.data_to_send())]
             self._held = []
             if out:
+                for message in out:
+                    if message["type"] == "done" and message["finish_reason"] == "cancelled":
+                        await self._mark_if_closed(message)
                 return out
             if not await wait_set(self._wakeup, timeout):
                 return []
             self._wakeup.clear()
+
+    async def _mark_if_closed(self, done: DoneMessage) -> None:
+        """A close (``DELETE``) and a stop append the same cancelled ``done``; a close
+        deletes the session's meta hash in the same script, so a turn with no start
+        time recorded any more ended with its session."""
+        try:
+            created = await self.frontend.store.turn_created(done["session"], done["turn"])
+        except OUTAGE_ERRORS:  # Redis away: read it as a stop, as before
+            self.log.warning("could not tell a close from a stop: Redis is unavailable")
+            return
+        if not created:
+            mark_closed(done)
 
     async def outcome(
         self, timeout: float, *, paused: bool = False
