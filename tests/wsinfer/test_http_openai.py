@@ -227,6 +227,9 @@ def test_the_penalties_and_typical_p_reach_the_turn_on_every_route() -> None:
         (respond, {"max_output_tokens": 0}, "max_output_tokens"),
         (respond, {"top_p": 0}, "top_p"),
         (respond, {"text": {"format": {"type": "yaml"}}}, "text.format"),
+        (parse, {"messages": [{"role": "user", "content": "x" * 256_001}]}, "messages"),
+        (respond, {"input": "x" * 256_001}, "input"),
+        (complete, {"prompt": "x" * 256_001}, "prompt"),
     ],
 )
 def test_every_error_names_the_field_as_the_client_spelled_it(

@@ -196,7 +196,7 @@ def client_names(data: dict[str, Any]) -> dict[str, str]:
     """Our params' names as this request spelled them (for its errors): the token
     limit is ``max_tokens`` or ``max_completion_tokens``, whichever it sent."""
     limit = "max_completion_tokens" if data.get("max_completion_tokens") is not None else None
-    return {"max_new_tokens": limit or "max_tokens"}
+    return {"max_new_tokens": limit or "max_tokens", "prompt": "messages"}
 
 
 def ignored_fields(data: dict[str, Any], ignored: frozenset[str]) -> tuple[str, ...]:
@@ -252,18 +252,29 @@ def as_generate(
     try:
         parsed = parse_client_message(generate, limits)
     except WsinferError as exc:
-        raise OpenAIError.from_wsinfer(exc) from exc
+        raise in_client_names(OpenAIError.from_wsinfer(exc), names or {}) from exc
     assert isinstance(parsed, Generate)
     return parsed
 
 
 def params_error(message: str, names: dict[str, str]) -> OpenAIError:
     """A refused param's 400, in the client's names: ``param`` is the first one named."""
+    return in_client_names(bad_request(message), names)
+
+
+def in_client_names(error: OpenAIError, names: dict[str, str]) -> OpenAIError:
+    """``error`` with our fields' names (``names``: ours -> the client's) replaced, and,
+    where it names none, ``param`` the first field its message names."""
+    message = error.message
     for ours, theirs in names.items():
         message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)
-    spelled = [names.get(name, name) for name in GenerationParams.__dataclass_fields__]
+    fields = [*GenerationParams.__dataclass_fields__, "prompt"]
+    spelled = [names.get(name, name) for name in fields]
     found = [(m.start(), name) for name in spelled if (m := _word(name).search(message))]
-    return bad_request(message, min(found)[1] if found else None)
+    param = error.param or (min(found)[1] if found else None)
+    return OpenAIError(
+        error.status, message, code=error.code, param=param, retry_after=error.retry_after
+    )
 
 
 def _word(name: str) -> re.Pattern[str]:

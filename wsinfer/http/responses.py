@@ -58,7 +58,11 @@ INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # is (no template is told of them; a summary of no reasoning is none).
 _IGNORED = IGNORED | {"truncation", "stream_options", "reasoning"}
 # What the client's names for our params are, in its errors.
-_NAMES = {"max_new_tokens": "max_output_tokens", "response_format": "text.format"}
+_NAMES = {
+    "max_new_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "prompt": "input",
+}
 # Accepted only at the value that means "feature off".
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "max_tool_calls": (None,),
