@@ -255,6 +255,9 @@ class EngineProcess:
         request_id = f"{session}:{turn}"
         active = ActiveTurn(session, turn, claimed.epoch, item, len(prompt_ids), seq)
         params = history.current.params
+        if published.ended_at:  # continued past an end by length: as many tokens again
+            budget = published.ended_at + params.max_new_tokens
+            params = dataclasses.replace(params, max_new_tokens=budget)
         if params.calls_tools:
             active.calls = ToolCallParser(tool_names(params.tools), f"call_{session}_{turn}")
             active.calls.feed(published.text)  # already out
@@ -267,6 +270,7 @@ class EngineProcess:
                 params=params,
                 generated_ids=generated,
                 cache_key=session,
+                released=published.ended_at > 0,
             )
         )
         self._abort_if_asked(request_id, claimed.control)

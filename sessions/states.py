@@ -19,6 +19,7 @@ computed here, and refuses anything else. A refused action raises
                        |                 +--engine_pause--> paused --resume--> queued
                        +--pause------------------------------^  |
     queued/paused --stop--> done                              +--stop--> done
+    done (finish_reason: length) --continue--> queued
 
 ``pause`` and ``stop`` of a *running* turn do not change the status: they set a
 control flag that the engine running the turn acts on between decode steps,
@@ -45,6 +46,7 @@ class Action(str, Enum):
     PAUSE = "pause"  # client: pause a turn that has not started running yet
     STOP = "stop"  # client: cancel a turn that is not running
     RESUME = "resume"  # client: continue a paused turn
+    CONTINUE = "continue"  # client: extend a turn that ended by length
     REQUEST_PAUSE = "request_pause"  # client: ask the engine to pause a running turn
     REQUEST_STOP = "request_stop"  # client: ask the engine to stop a running turn
     RELEASE = "release"  # engine: hand a running turn back to the queue (drain on SIGTERM)
@@ -119,6 +121,10 @@ CONTROL: dict[tuple[ClientMessageType, TurnStatus], ControlRule] = {
     (_M.RESUME, _S.RUNNING): ControlRule(Outcome.NOTHING),
     (_M.RESUME, _S.PAUSED): _apply(Action.RESUME, Effect.REQUEUE, _S.QUEUED),
     (_M.RESUME, _S.DONE): ControlRule(Outcome.NOTHING),  # its history is replayed
+    (_M.CONTINUE, _S.QUEUED): ControlRule(Outcome.REFUSE),  # it has not ended
+    (_M.CONTINUE, _S.RUNNING): ControlRule(Outcome.REFUSE),
+    (_M.CONTINUE, _S.PAUSED): ControlRule(Outcome.REFUSE),  # resume it instead
+    (_M.CONTINUE, _S.DONE): _apply(Action.CONTINUE, Effect.REQUEUE, _S.QUEUED, FinishReason.LENGTH),
 }
 
 

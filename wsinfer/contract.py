@@ -26,6 +26,7 @@ class ClientMessageType(str, Enum):
     STOP = "stop"
     PAUSE = "pause"
     RESUME = "resume"
+    CONTINUE = "continue"
     CLOSE = "close"
 
 
@@ -113,6 +114,10 @@ CLIENT_MESSAGES: dict[ClientMessageType, MessageSpec] = {
     ),
     _M.RESUME: MessageSpec(
         _M.RESUME, _SESSION_FIELDS + _REPLAY_FIELDS, answers=(_A.SESSION,), controls_turn=True
+    ),
+    # Extend a turn cut by length: answered as a resume is, then the same turn goes on.
+    _M.CONTINUE: MessageSpec(
+        _M.CONTINUE, _SESSION_FIELDS + _REPLAY_FIELDS, answers=(_A.SESSION,), controls_turn=True
     ),
     _M.CLOSE: MessageSpec(_M.CLOSE, _SESSION_FIELDS),
 }

@@ -6,6 +6,7 @@ export const ClientMessageType = Object.freeze({
   STOP: "stop",
   PAUSE: "pause",
   RESUME: "resume",
+  CONTINUE: "continue",
   CLOSE: "close",
 });
 
@@ -73,6 +74,7 @@ export const CLIENT_MESSAGES = Object.freeze({
   stop: {"fields": [{"name": "session", "kind": "name", "required": true}, {"name": "token", "kind": "name", "required": true}], "answers": ["done"], "controls_turn": true, "rejoins": false},
   pause: {"fields": [{"name": "session", "kind": "name", "required": true}, {"name": "token", "kind": "name", "required": true}], "answers": ["paused", "done"], "controls_turn": true, "rejoins": false},
   resume: {"fields": [{"name": "session", "kind": "name", "required": true}, {"name": "token", "kind": "name", "required": true}, {"name": "after", "kind": "count", "required": false}, {"name": "turn", "kind": "ordinal", "required": false}], "answers": ["session"], "controls_turn": true, "rejoins": true},
+  continue: {"fields": [{"name": "session", "kind": "name", "required": true}, {"name": "token", "kind": "name", "required": true}, {"name": "after", "kind": "count", "required": false}, {"name": "turn", "kind": "ordinal", "required": false}], "answers": ["session"], "controls_turn": true, "rejoins": true},
   close: {"fields": [{"name": "session", "kind": "name", "required": true}, {"name": "token", "kind": "name", "required": true}], "answers": [], "controls_turn": false, "rejoins": false},
 });
 
@@ -80,6 +82,7 @@ export const CONTROL_ANSWERS = Object.freeze({
   stop: ["done"],
   pause: ["paused", "done"],
   resume: ["session"],
+  continue: ["session"],
 });
 
 export const ERROR_CLASSES = Object.freeze({

@@ -186,6 +186,25 @@ export class WsinferTurn extends EventTarget {
     this.control(Send.PAUSE);
   }
 
+  /** Extend a turn that ended with finishReason "length" by as many tokens again:
+   * the same turn goes on (status queued, then deltas), and `finished` is a new
+   * promise for its next `done`. Anything else is refused (an `error` event). */
+  continue() {
+    if (this.status === TurnStatus.DONE) this.control(Send.CONTINUE);
+  }
+
+  _reopen(status) {
+    this.status = status;
+    this.finishReason = null;
+    this.usage = null;
+    this.finished = new Promise((resolve, reject) => {
+      this._resolve = resolve;
+      this._reject = reject;
+    });
+    this.finished.catch(() => {});
+    this._wake();
+  }
+
   /** Continue a paused turn (or re-attach after anything): no gap, no repeat. */
   resume() {
     if (!this.active) return;
@@ -570,6 +589,8 @@ export class WsinferClient extends EventTarget {
       // A resume answered with the turn's status; its replay follows.
       turn._refused = false;
       if (msg.status && turn.active && msg.status !== TurnStatus.DONE) turn.status = msg.status;
+      // A done turn that went on (a continue): followed again until its next done.
+      else if (msg.status && msg.status !== TurnStatus.DONE && turn.status === TurnStatus.DONE) turn._reopen(msg.status);
       return;
     }
     this.session = msg.session;

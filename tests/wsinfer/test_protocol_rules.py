@@ -45,7 +45,13 @@ from wsinfer.sessions.schema import (
     TurnEvent,
     Usage,
 )
-from wsinfer.sessions.states import TRANSITIONS, Action, Effect, store_candidates
+from wsinfer.sessions.states import (
+    TRANSITIONS,
+    Action,
+    Effect,
+    required_finish,
+    store_candidates,
+)
 
 S, TOKEN, SEQ = "s", "tok", 3
 KEY = "k" * 32
@@ -63,13 +69,14 @@ class ModelStore:
     fail_on: type | None = None  # a command kind that raises an outage
     gone: bool = False  # closed or expired between the lookup and the read
     history: list[TurnEvent] = field(default_factory=list)  # the latest turn's stream
+    finish: str = "stop"  # how a done turn ended (the meta's ``finish``)
 
     def __post_init__(self) -> None:
         self.history = [DeltaEvent(1, "a"), DeltaEvent(2, "b"), DeltaEvent(SEQ, "c")]
         if self.status is TurnStatus.PAUSED:
             self.history.append(PausedEvent(SEQ))
         if self.status is TurnStatus.DONE:
-            self.history.append(DoneEvent(SEQ, "stop", Usage(5, SEQ, 0)))
+            self.history.append(DoneEvent(SEQ, self.finish, Usage(5, SEQ, 0)))
 
     def execute(self, command: Command) -> Event | None:
         self.commands.append(command)
@@ -117,7 +124,8 @@ class ModelStore:
     def _control(self, action: ClientMessageType) -> Event:
         for act, effect in store_candidates(action):
             new = TRANSITIONS.get((self.status, act))
-            if new is not None:
+            finished = required_finish(act)
+            if new is not None and (finished is None or finished.value == self.finish):
                 self.flag = effect.flag
                 self.status = new
                 if effect is Effect.PAUSE:
@@ -174,8 +182,8 @@ def status_after_attach(status: TurnStatus) -> TurnStatus:
 def message_for(kind: ClientMessageType, msg_id: int = 9) -> ClientMessage:
     if kind is ClientMessageType.GENERATE:
         return Generate(msg_id, None, "more", GenerationParams.parse(None), S, TOKEN)
-    if kind is ClientMessageType.RESUME:
-        return Resume(msg_id, S, TOKEN, after=1)
+    if kind in (ClientMessageType.RESUME, ClientMessageType.CONTINUE):
+        return Resume(msg_id, S, TOKEN, after=1, type=kind)
     return SessionCommand(kind, msg_id, S, TOKEN)
 
 
@@ -282,6 +290,27 @@ def _check_resume(
         assert store.commands[-1] == Subscribe(S, 1, "1-1") and len(proto.feeds) == 1
 
 
+def _check_continue(
+    store: ModelStore, proto: ConnectionProtocol, status: TurnStatus, following: bool, error: object
+) -> None:
+    """continue only extends a turn cut by length: any other (here: one not
+    ended, or ended by itself) is a conflict, and nothing changes."""
+    assert isinstance(error, WsinferError) and error.code is ErrorCode.CONFLICT
+    assert (store.status, store.flag) == (status, "")
+    assert Subscribe not in store.kinds() and sent(proto) == []
+
+
+def test_continue_of_a_turn_cut_by_length_goes_on_with_it() -> None:
+    store = ModelStore(TurnStatus.DONE, finish="length")
+    proto = connection(store, following=False)
+    assert drive(proto, message_for(ClientMessageType.CONTINUE), store) is None
+    out = sent(proto)
+    assert out[0] == session_answer(1, TurnStatus.QUEUED, 9)
+    # The replay after 1: the text, but not the done the turn goes on past.
+    assert [m["type"] for m in out] == ["session", "delta"] and out[1]["text"] == "bc"
+    assert store.status is TurnStatus.QUEUED and store.commands[-1] == Subscribe(S, 1, "1-1")
+
+
 def _check_close(
     store: ModelStore, proto: ConnectionProtocol, status: TurnStatus, following: bool, error: object
 ) -> None:
@@ -296,6 +325,7 @@ CHECKS = {
     ClientMessageType.STOP: _check_stop,
     ClientMessageType.PAUSE: _check_pause,
     ClientMessageType.RESUME: _check_resume,
+    ClientMessageType.CONTINUE: _check_continue,
     ClientMessageType.CLOSE: _check_close,
 }
 
