@@ -418,9 +418,20 @@ def _reaction_to_refusal(action: ClientMessageType, current: str) -> Outcome:
     the store's own check refused it, such as a row's ``finished``) conflict."""
     rule = CONTROL.get((action, _status_after_refusal(current)))
     reaction = rule.outcome if rule is not None else Outcome.APPLY
+    if rule is not None and rule.finished is not None and current == _named_status(current):
+        # The status allowed it: how the turn ended did not.
+        raise Conflict(f"cannot {action.value} a turn that did not end by {rule.finished.value}")
     if reaction in (Outcome.APPLY, Outcome.REFUSE):
         raise Conflict(f"cannot {action.value} a turn that is {current}")
     return reaction
+
+
+def _named_status(current: str) -> str | None:
+    """``current`` if a refusal named a status (not why else, e.g. a later turn)."""
+    return current if current in _STATUSES else None
+
+
+_STATUSES = frozenset(status.value for status in TurnStatus)
 
 
 # Bytes a message costs beyond its text (keys, ids, framing), for the budget.

@@ -59,14 +59,21 @@ def test_continue_of_a_turn_that_has_not_ended_is_a_conflict(status: TurnStatus)
         plan.send(TurnFound(1, status, 2))
 
 
-@pytest.mark.parametrize("current", ["done", "queued", "no longer the latest turn"])
-def test_continue_the_store_refused_is_a_conflict(current: str) -> None:
+@pytest.mark.parametrize(
+    ("current", "said"),
+    [
+        ("done", "did not end by length"),
+        ("queued", "is queued"),
+        ("no longer the latest turn", "is no longer the latest turn"),
+    ],
+)
+def test_continue_the_store_refused_is_a_conflict(current: str, said: str) -> None:
     """Ended otherwise than by length (the store's check), continued by another
     client first, or a later turn started: nothing to follow as it is."""
     plan = ConnectionProtocol(JsonCodec()).plan(_continue())
     plan.start()
     plan.send(TurnFound(1, TurnStatus.DONE, 2))
-    with pytest.raises(Conflict):
+    with pytest.raises(Conflict, match=f"cannot continue a turn that {said}"):
         plan.send(Refused(current))
 
 
