@@ -493,6 +493,9 @@ class ModelRunner:
                 for penalty in (None, seen):
                     sample_tokens(logits, params, variant, penalty)
                     runs += 1
+            # Shaped logits (the penalties, typical_p) race as float32 without ``seen``.
+            sample_tokens(logits.float(), params, Variant.SAMPLE)
+            runs += 1
         return runs
 
     def _capture_all(self, pool: Any, progress: Callable[[str], None] | None) -> None:
