@@ -229,3 +229,28 @@ def test_the_new_params_are_left_out_of_a_turn_record_at_their_defaults() -> Non
         {"presence_penalty": -1, "frequency_penalty": 2, "typical_p": 0.5}
     )
     assert GenerationParams.from_dict(params.to_dict()) == params
+
+
+@pytest.mark.parametrize("params", [SEEDED, TYPICAL], ids=["penalties", "typical"])
+def test_a_turn_resumed_on_its_kept_cache_draws_the_same(
+    tiny: LoadedModel, params: GenerationParams
+) -> None:
+    """The resume skips most of the prefill (the session's kept KV cache): the counts
+    are still the turn's, rebuilt from its token ids."""
+    ids = ids_of(tiny, "The quick brown fox")
+    alone = generate(EngineCore(tiny), ids, params)
+    core = EngineCore(tiny)
+    core.add(EngineRequest(request_id="a", prompt_ids=ids, params=params, cache_key="k"))
+    first: list[RequestOutput] = []
+    while len(tokens_of(first)) < 17:
+        first += core.step()
+    core.abort("a", pause=True)
+    core.step()
+    assert core.cached_length("k") > len(ids)
+    again = EngineRequest(
+        request_id="a", prompt_ids=ids, params=params, generated_ids=tokens_of(first), cache_key="k"
+    )
+    core.add(again)
+    rest = run_all(core)["a"]
+    assert tokens_of(first) + tokens_of(rest) == alone
+    assert rest[-1].usage is not None and rest[-1].usage.cached_tokens > len(ids)
