@@ -107,6 +107,12 @@ def test_hub_parameters_reach_the_turn(hub: InferenceClient) -> None:
         PROMPT, max_new_tokens=5, do_sample=True, seed=7, top_k=5, details=True
     )
     assert sampled.details is not None and sampled.details.seed == 7
+    typical = [
+        hub.text_generation(PROMPT, max_new_tokens=8, seed=7, typical_p=0.9, details=True)
+        for _ in range(2)
+    ]
+    assert typical[0].generated_text == typical[1].generated_text  # seeded draws repeat
+    assert typical[0].details is not None and typical[0].details.seed == 7  # it sampled
 
 
 @pytest.mark.slow
@@ -201,7 +207,7 @@ async def test_compat_route_info_health_and_errors(http: httpx.AsyncClient) -> N
     assert second.status_code == 200 and second.headers["x-wsinfer-turn"] == "2"
 
     info = (await http.get("/info")).json()
-    assert info["model_id"] == "wsinfer" and info["max_best_of"] == 1
+    assert info["model_id"] == f"fake:{RATE}" and info["max_best_of"] == 1  # the served name
     assert (await http.get("/health")).status_code == 200
     assert (await http.get("/")).status_code == 200  # GET / is still the chat page
 
@@ -229,6 +235,9 @@ def test_greedy_unless_sampling_is_asked_as_tgi_decides() -> None:
     assert parse(do_sample=True).generate.params.temperature == 1.0
     assert parse(temperature=0.5).generate.params.temperature == 0.5  # a warper samples
     assert parse(do_sample=False, top_k=3).generate.params.temperature == 1.0
+    typical = parse(typical_p=0.9).generate.params  # a warper too, as TGI's has_warpers
+    assert (typical.typical_p, typical.temperature) == (0.9, 1.0)
+    assert parse(typical_p=1.0).generate.params.greedy and parse(typical_p=None).generate
     ask = parse(max_new_tokens=9, seed=3, stop=["\n"], repetition_penalty=1.1, details=True)
     params = ask.generate.params
     assert (params.max_new_tokens, params.seed, params.stop) == (9, 3, ("\n",))
@@ -242,7 +251,8 @@ def test_greedy_unless_sampling_is_asked_as_tgi_decides() -> None:
     "parameters",
     [
         {"best_of": 2},
-        {"typical_p": 0.5},
+        {"typical_p": 0},
+        {"typical_p": 1.5},
         {"top_n_tokens": 3},
         {"grammar": {"type": "json", "value": {}}},
         {"watermark": True},

@@ -33,7 +33,16 @@ from wsinfer.sessions.schema import GenerationParams
 
 # TGI's parameters that are wsinfer's under the same name, checked by its rules.
 SAMPLING = frozenset(
-    {"max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop"}
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "typical_p",
+        "repetition_penalty",
+        "seed",
+        "stop",
+    }
 )
 FLAGS = frozenset({"details", "do_sample", "return_full_text"})
 # Accepted only at the value that turns the feature off: wsinfer cannot honour them.
@@ -41,7 +50,6 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "decoder_input_details": (None, False),  # no prompt log-probabilities
     "frequency_penalty": (None, 0, 0.0),
-    "typical_p": (None,),
     "truncate": (None,),  # it would cut the prompt, which wsinfer refuses to do
     "watermark": (None, False),
     "grammar": (None,),
@@ -143,12 +151,13 @@ def parse_tgi_request(
 
 
 def _warped(params: dict[str, Any]) -> bool:
-    """Whether TGI samples although ``do_sample`` is false: a temperature, top-k or
-    top-p that changes the distribution (TGI's ``has_warpers``)."""
+    """Whether TGI samples although ``do_sample`` is false: a temperature, top-k,
+    top-p or typical-p that changes the distribution (TGI's ``has_warpers``)."""
     return (
         params.get("temperature", 1.0) != 1.0
         or params.get("top_k", 0) != 0
         or params.get("top_p", 1.0) != 1.0
+        or params.get("typical_p", 1.0) != 1.0
     )
 
 
