@@ -72,4 +72,6 @@ async def test_a_new_client_is_never_taken_for_one_that_had_loaded_the_scripts(
         await client.aclose()
         del client
         gc.collect()
+        if reused >= 3:  # the case has come up, several times: enough (each round is slow)
+            break
     assert reused, "no client reused an id: this test would not catch the bug"
