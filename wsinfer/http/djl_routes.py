@@ -25,7 +25,7 @@ from wsinfer.contract import ServerMessage, SessionMessage
 from wsinfer.http import counted
 from wsinfer.http.connection import HttpRequest, HttpResponse
 from wsinfer.http.djl import DjlError, error_line, line, not_found, parse_djl_request
-from wsinfer.http.openai import SESSION_HEADER, TOKEN_HEADER, failure
+from wsinfer.http.openai import LEGACY_MODEL_NAME, SESSION_HEADER, TOKEN_HEADER, failure
 from wsinfer.http.peer import KEEPALIVE_S, HttpPeer
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class DjlRoutes:
         return DjlError(503, why or "unhealthy", "engine_unavailable").response()
 
     async def _predict(self, request: HttpRequest, name: str | None = None) -> HttpResponse:
-        if name is not None and name != self.frontend.config.model_name:
+        if name is not None and name not in (self.frontend.config.model_name, LEGACY_MODEL_NAME):
             raise not_found(name)
         sessions = _listed(one_header(request.headers, SESSION_HEADER))
         tokens = _listed(one_header(request.headers, TOKEN_HEADER))

@@ -33,6 +33,7 @@ from wsinfer.http.oip import (
     parse_infer_request,
 )
 from wsinfer.http.openai import (
+    LEGACY_MODEL_NAME,
     SESSION_HEADER,
     SSE_KEEPALIVE,
     TOKEN_HEADER,
@@ -107,10 +108,11 @@ class OipRoutes:
         return HttpResponse.json(200, {"name": model, "ready": True})
 
     def _model(self, name: str) -> str:
-        model = self.frontend.config.model_name
-        if name != model:
+        """The served model's name or ``wsinfer`` (the id of earlier versions), echoed
+        as the request named it."""
+        if name not in (self.frontend.config.model_name, LEGACY_MODEL_NAME):
             raise not_found(name)
-        return model
+        return name
 
     async def _unhealthy(self, request: HttpRequest) -> str | None:
         """None when ``/healthz`` is 200 (Redis and an engine answer), else why not."""
