@@ -1,7 +1,9 @@
 """Followers of a turn, as the exactly-once tests run them: each reconnects on its
 own after any drop and resumes from the last position it received, over a raw
-WebSocket ``resume``, the SSE stream with ``Last-Event-ID``, the Python client, or
-the Responses API's WebSocket mode (wsinfer's ``response.resume``).
+WebSocket ``resume``, the SSE stream with ``Last-Event-ID``, the Python client,
+the Responses API's WebSocket mode (wsinfer's ``response.resume``), TGI's
+``/generate_stream`` (the session headers and ``Last-Event-ID``: a token index),
+the v2 ``generate_stream`` (by event count) or DJL's JSON lines (by line count).
 ``Follower.text`` is what it received, joined: a repeat or a gap shows in a
 comparison with the turn's known text.
 """
@@ -11,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 from websockets.asyncio.client import connect as ws_connect
@@ -56,13 +59,17 @@ class Follower:
     token: str
     after: int
     cutter: Door
+    # Events (v2) or lines (DJL) of the turn at ``after``: where the doors that
+    # count resume (the test reads it off the token log, as it reads the truth).
+    received: int = 0
+    model: str = "wsinfer"  # the served model's name, in the v2 and DJL paths
     text: str = ""
     reconnects: int = 0
     # (monotonic time, characters received so far), one per delta.
     progress: list[tuple[float, int]] = field(default_factory=list)
 
 
-# --- the four kinds of follower --------------------------------------------------------
+# --- the kinds of follower -------------------------------------------------------------
 
 
 async def follow_ws(f: Follower) -> None:
@@ -167,9 +174,112 @@ async def follow_responses_ws(f: Follower) -> None:
         await asyncio.sleep(0.05)
 
 
+def resumed(f: Follower, **headers: str) -> dict[str, str]:
+    """The session headers every HTTP door's resume takes, and ``headers``."""
+    return {"X-Wsinfer-Session": f.session, "X-Wsinfer-Token": f.token, **headers}
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[int | None, Any]]:
+    """Each complete SSE event's ``id`` and JSON data (comments skipped): an event
+    cut before its blank line is not one, so its position is not taken."""
+    event_id: int | None = None
+    data: str | None = None
+    async for line in response.aiter_lines():
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: "):
+            data = line[6:]
+        elif not line and data is not None:
+            yield event_id, json.loads(data)
+            event_id = data = None
+
+
+async def follow_tgi(f: Follower) -> None:
+    """TGI's ``POST /generate_stream`` resumed by the session headers and
+    ``Last-Event-ID``: the last token event's ``index`` (its ``seq``). The closing
+    event is the one with ``generated_text``."""
+    last = f.after
+    async with httpx.AsyncClient(base_url=f.cutter.http_url, timeout=30) as http:
+        while True:
+            headers = resumed(f, **{"Last-Event-ID": str(last)})
+            try:
+                async with http.stream("POST", "/generate_stream", headers=headers) as response:
+                    assert response.status_code == 200, await response.aread()
+                    async for event_id, event in sse_events(response):
+                        assert "error" not in event, event
+                        if event["generated_text"] is not None:
+                            return
+                        f.text += event["token"]["text"]  # a repeat or a gap shows
+                        f.progress.append((time.monotonic(), len(f.text)))
+                        assert event_id == event["index"], event  # the id resumed after
+                        last = max(last, event["index"])
+            except (httpx.TransportError, httpx.StreamError):
+                pass
+            f.reconnects += 1
+            await asyncio.sleep(0.05)
+
+
+async def follow_v2(f: Follower) -> None:
+    """The v2 ``POST /v2/models/{name}/generate_stream`` resumed by count: the
+    session headers and ``Last-Event-ID: N``, N the events received (each event's
+    ``id``). The closing event has no ``id`` and names the ``finish_reason``."""
+    count = f.received
+    url = f"/v2/models/{f.model}/generate_stream"
+    async with httpx.AsyncClient(base_url=f.cutter.http_url, timeout=30) as http:
+        while True:
+            headers = resumed(f, **{"Last-Event-ID": str(count)})
+            try:
+                async with http.stream("POST", url, headers=headers) as response:
+                    assert response.status_code == 200, await response.aread()
+                    async for event_id, event in sse_events(response):
+                        assert "error" not in event, event
+                        if "finish_reason" in event["parameters"]:
+                            return
+                        assert event_id == count + 1, (event_id, count)  # numbered on
+                        f.text += event["outputs"][0]["data"][0]
+                        f.progress.append((time.monotonic(), len(f.text)))
+                        count = event_id
+            except (httpx.TransportError, httpx.StreamError):
+                pass
+            f.reconnects += 1
+            await asyncio.sleep(0.05)
+
+
+async def follow_djl(f: Follower) -> None:
+    """DJL's ``POST /predictions/{name}`` resumed by line count: the session
+    headers and ``X-Wsinfer-Received: N``, N the lines received. The stream's end
+    is the turn's: a body cut short is a transport error."""
+    count = f.received
+    async with httpx.AsyncClient(base_url=f.cutter.http_url, timeout=30) as http:
+        while True:
+            headers = resumed(f, **{"X-Wsinfer-Received": str(count)})
+            try:
+                url = f"/predictions/{f.model}"
+                async with http.stream("POST", url, headers=headers) as response:
+                    assert response.status_code == 200, await response.aread()
+                    async for line in response.aiter_lines():
+                        if not line:
+                            continue
+                        chunk = json.loads(line)  # only whole lines: a cut one raises
+                        assert "output_tokens" in chunk, chunk
+                        f.text += chunk["output_tokens"][0]
+                        f.progress.append((time.monotonic(), len(f.text)))
+                        count += 1
+                return
+            except (httpx.TransportError, httpx.StreamError):
+                pass
+            f.reconnects += 1
+            await asyncio.sleep(0.05)
+
+
 FOLLOW = {
     "ws": follow_ws,
     "sse": follow_sse,
     "python": follow_python,
     "responses_ws": follow_responses_ws,
+    "tgi": follow_tgi,
+    "v2": follow_v2,
+    "djl": follow_djl,
 }
+# The followers that resume by how many events or lines they had (``received``).
+COUNTED = frozenset({"v2", "djl"})

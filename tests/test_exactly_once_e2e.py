@@ -7,7 +7,9 @@ Each turn gets 1-3 followers that join at random times and positions (0, the
 turn's current seq, or anywhere between: a follower behind another one on the
 same frontend is the case the fan-in once got wrong), over a raw WebSocket
 ``resume``, the SSE stream with ``Last-Event-ID``, the Python client's
-automatic resume, or the Responses API's WebSocket mode (``response.resume``).
+automatic resume, the Responses API's WebSocket mode (``response.resume``),
+TGI's ``/generate_stream`` (by token index), the v2 ``generate_stream`` (by
+event count) or DJL's JSON lines (by line count).
 Each follower reaches the frontends through a ``Cutter`` of its own that aborts
 its connection at random times; one frontend and one engine are killed with -9
 mid-run (the frontend comes back on its port).
@@ -29,16 +31,19 @@ import httpx
 import pytest
 
 from tests.cutter import Cutter
-from tests.followers import FOLLOW, Follower
+from tests.followers import COUNTED, FOLLOW, Follower
 from tests.stack import Client, Stack, joined
 from wsinfer.engine.fake import WORDS
+from wsinfer.sessions.connect import async_client
+from wsinfer.sessions.schema import DeltaEvent
+from wsinfer.sessions.store import SessionStore
 
 SEED = int(os.environ.get("WSINFER_E2E_SEED", "18"))
 SESSIONS = 50
 RATE = 10  # tokens per second per turn
 TOKENS = 250  # so a turn streams for 25 s, the kills land mid-turn
 ENGINE_FLAGS = ("--max-batch-size", "64", "--threads", "1")
-KINDS = ("ws", "sse", "python", "responses_ws")
+KINDS = ("ws", "sse", "python", "responses_ws", "tgi", "v2", "djl")
 MEAN_CUT_S = 2.5  # mean time between two cuts of one follower's connection
 
 pytestmark = pytest.mark.timeout(240)
@@ -80,9 +85,10 @@ class Positions:
     or not). Always a seq the server reported, as a client's ``after`` is: a
     position inside a merged delta would get that whole delta."""
 
-    def __init__(self, port: int, rng: random.Random) -> None:
+    def __init__(self, port: int, rng: random.Random, store: SessionStore) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.rng = rng
+        self.store = store
         self.seen: dict[str, list[int]] = {}
 
     async def pick(self, session: str, token: str) -> int:
@@ -92,12 +98,20 @@ class Positions:
         seen.append(answer.json()["seq"])
         return self.rng.choice([0, seen[-1], self.rng.choice(seen)])
 
+    async def count(self, session: str, after: int) -> int:
+        """How many events (v2) or lines (DJL) a reader at ``after`` has: the
+        turn's text-bearing deltas up to it, as the token log has them."""
+        events, _ = await self.store.read_turn(session, 1)
+        return sum(1 for e in events if isinstance(e, DeltaEvent) and e.text and e.seq <= after)
+
 
 async def run_follower(
     f: Follower, rng: random.Random, joins_at: float, positions: Positions, stats: Counter[str]
 ) -> None:
     await asyncio.sleep(joins_at)
     f.after = await positions.pick(f.session, f.token)
+    if f.kind in COUNTED:
+        f.received = await positions.count(f.session, f.after)
     task = asyncio.create_task(FOLLOW[f.kind](f))
     while not task.done():
         await asyncio.wait([task], timeout=rng.expovariate(1 / MEAN_CUT_S))
@@ -124,7 +138,8 @@ async def test_every_follower_gets_the_whole_text_once(stack: Stack, cutters: li
             cutters.append(cutter)
             followers.append((Follower(rng.choice(KINDS), session, token, -1, cutter), joins_at))
     stats: Counter[str] = Counter()
-    positions = Positions(ports[1], random.Random(rng.random()))
+    redis = async_client(stack.redis_url)
+    positions = Positions(ports[1], random.Random(rng.random()), SessionStore(redis))
     jobs = [
         asyncio.create_task(run_follower(f, random.Random(rng.random()), at, positions, stats))
         for f, at in followers
@@ -142,6 +157,7 @@ async def test_every_follower_gets_the_whole_text_once(stack: Stack, cutters: li
     await asyncio.wait_for(asyncio.gather(*jobs), 180)
     took = time.monotonic() - began
     truths = [await replay(ports[1], f) for f, _ in followers]
+    await redis.aclose()
     report([f for f, _ in followers], truths, stats, took)
 
 
@@ -186,5 +202,8 @@ def report(followers: list[Follower], truths: list[str], stats: Counter[str], to
         f" kills 2 (a frontend, an engine), characters compared {compared},"
         f" lost {lost}, repeated {repeated}; token logs off the model {off_model}; {took:.1f} s"
     )
+    for kind in sorted(kinds):
+        mine = [f for f in followers if f.kind == kind]
+        print(f"  {kind}: {len(mine)} followers, {sum(f.reconnects for f in mine)} reconnects")
     assert not wrong, f"{len(wrong)} followers got other text: {wrong[:10]}"
     assert not off_model, f"{off_model} token logs are not the fake model's words"
