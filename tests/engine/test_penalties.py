@@ -80,7 +80,7 @@ SEEDED = GenerationParams(
 )
 # Both kinds of penalty (the context's, the turn's) and the filters in one row.
 MIXED = GenerationParams(
-    max_new_tokens=40,
+    max_new_tokens=30,
     temperature=1.3,
     seed=6,
     ignore_eos=True,
@@ -90,7 +90,7 @@ MIXED = GenerationParams(
     top_p=0.95,
 )
 TYPICAL = GenerationParams(
-    max_new_tokens=40, temperature=1.2, seed=4, ignore_eos=True, typical_p=0.4, top_k=200
+    max_new_tokens=20, temperature=1.2, seed=4, ignore_eos=True, typical_p=0.4, top_k=200
 )
 NEIGHBOURS = [
     GenerationParams(max_new_tokens=30, temperature=0.0, ignore_eos=True),
@@ -242,7 +242,7 @@ def test_a_turn_resumed_on_its_kept_cache_draws_the_same(
     core = EngineCore(tiny)
     core.add(EngineRequest(request_id="a", prompt_ids=ids, params=params, cache_key="k"))
     first: list[RequestOutput] = []
-    while len(tokens_of(first)) < 17:
+    while len(tokens_of(first)) < 11:
         first += core.step()
     core.abort("a", pause=True)
     core.step()
