@@ -3,7 +3,10 @@
 Everything a draw needs (temperature, top-k, top-p, repetition penalty, seed
 and token index) is a per-row tensor, so a whole batch samples in a fixed
 sequence of kernels: no host loop over rows, no host sync, and nothing that a
-CUDA graph cannot capture.
+CUDA graph cannot capture. OpenAI's presence and frequency penalties and
+typical_p shape the logits before the race (``shape_logits``), from counts of
+the turn's generated tokens that are rebuilt from its token ids wherever the
+row joins a batch; steps with them run outside the captured graphs.
 
 Seeded draws are reproducible per token, not per stream: token ``i`` of a
 request races the vocabulary with uniform numbers ``hash(seed, i, token id)``
