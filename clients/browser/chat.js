@@ -4,7 +4,7 @@
 // flight) is kept under the conversation's key: a reload, a new tab or
 // reopening a conversation from the list resumes it.
 
-import { WsinferClient } from "wsinfer-client";
+import { WsinferClient, WsinferTurn } from "wsinfer-client";
 import { renderMarkdown, StreamingMarkdown } from "./markdown.js";
 import {
   ChatStore, clientKey, conversationFromLink, failureText, FINISH_NOTE, fork, linkPayload, MAX_LINK_CHARS,
@@ -193,9 +193,7 @@ function messageActions(li, m, index) {
     actionButton("Copy", "copy-answer", (e) => copyAnswer(li, e.currentTarget)),
     actionButton(m.error ? "Retry" : "Regenerate", "regenerate", () => regenerate()),
   );
-  // Until the protocol has a `continue` message (one that extends the cut
-  // answer itself), Continue asks for the rest in a new turn, as a person would.
-  if (m.finish === "length") bar.append(actionButton("Continue", "continue", () => send("Continue")));
+  if (m.finish === "length") bar.append(actionButton("Continue", "continue", () => continueAnswer()));
   return bar;
 }
 
@@ -546,13 +544,26 @@ function onSpeedDelta(seq, time) {
 function attach(t) {
   turn = t;
   resetSpeed(t.seq);
-  const { versions, at } = conv.pending || {};
-  view = renderMessage({ role: "assistant", content: t.text, versions, at }, conv.messages.length);
-  view.md = new StreamingMarkdown(view.content);
-  view.li.classList.add("streaming");
-  view.li.setAttribute("aria-busy", "true");
-  view.li.dataset.seq = String(t.seq);
+  if (continuedMessage(t)) view = reopenView(t);
+  else {
+    const { versions, at } = conv.pending || {};
+    view = renderMessage({ role: "assistant", content: t.text, versions, at }, conv.messages.length);
+    view.md = new StreamingMarkdown(view.content);
+    streamInto(view, t);
+  }
+  listen(t);
+  updateControls();
+}
+
+function streamInto(v, t) {
+  v.li.classList.add("streaming");
+  v.li.setAttribute("aria-busy", "true");
+  v.li.dataset.seq = String(t.seq);
   refreshActions();
+}
+
+/** What the page does with turn `t`'s events while it is the page's turn. */
+function listen(t) {
   t.addEventListener("delta", (e) => {
     if (t !== turn) return;
     view.md.set(t.text);
@@ -572,10 +583,74 @@ function attach(t) {
   t.addEventListener("done", (e) => { if (t === turn) finishTurn(e.detail); });
   t.addEventListener("error", (e) => {
     if (t !== turn) return;
+    if (continueRefused(t)) { continueInNewTurn(`The server could not extend this answer in place (${e.error.code})`); return; }
     showError(e.error);
     if (e.fatal) failTurn(e.error);
   });
+}
+
+// ---- Continue: a cut answer goes on ---------------------------------------------
+// The `continue` message extends the turn itself (the same turn number, seq
+// numbering and KV cache), so the answer grows in place; its cut mark stays
+// until it ends again. A server that refuses it (an older one, or the answer is
+// no longer the session's latest turn) gets today's request instead: a new turn
+// asking for the rest, as a person would, and the page says so.
+
+/** The shown answer that turn `t` goes on with (a continued turn), or null. */
+function continuedMessage(t) {
+  const m = conv.messages.at(-1);
+  const same = m && m.role === "assistant" && t.turn != null && m.turn === t.turn && m.session === client.session;
+  return same ? m : null;
+}
+
+/** The shown last answer as the view a continued turn streams into. */
+function reopenView(t) {
+  const li = els.log.lastElementChild;
+  const v = { li, content: li.querySelector(".content"), note: li.querySelector(".note"), continues: conv.messages.length - 1 };
+  v.md = new StreamingMarkdown(v.content);
+  if (t.text) v.md.set(t.text); // a reload mid-way: what came since the cut too
+  else v.md.text = v.content.source ?? "";
+  streamInto(v, t);
+  li.querySelector(".continue")?.setAttribute("hidden", "");
+  return v;
+}
+
+/** The finished turn of the last answer, to continue (after a reload, one built for it), or null. */
+function turnToContinue(m) {
+  if (m.session !== client.session || m.turn == null || m.turn !== conv.lastTurn || !pathIsSession()) return null;
+  if (turn && turn.turn === m.turn && turn.status === "done" && client.currentTurn === turn) return turn;
+  // From seq 0: the server's replay restates the whole text before what is new.
+  const t = new WsinferTurn(client, { turn: m.turn, status: "done" });
+  client.currentTurn = t;
+  attach(t);
+  return t;
+}
+
+function continueAnswer() {
+  const m = conv.messages.at(-1);
+  if (view || (turn && turn.active) || !m || m.role !== "assistant" || m.finish !== "length") return;
+  showError(null);
+  const t = turnToContinue(m);
+  if (!t) { continueInNewTurn("This answer is no longer the latest of its session on the server"); return; }
+  if (!view) { resetSpeed(t.seq); view = reopenView(t); }
+  t.continue();
   updateControls();
+}
+
+// Refused: the continue was answered by an error while the turn stayed ended.
+function continueRefused(t) {
+  return Boolean(view && view.continues != null && t.status === "done");
+}
+
+function continueInNewTurn(why) {
+  if (view) {
+    view.li.classList.remove("streaming");
+    view.li.removeAttribute("aria-busy");
+    view = null;
+  }
+  refreshActions();
+  send("Continue");
+  showNotice(`${why}, so Continue asked for the rest in a new message.`);
 }
 
 function endView(finish) {
@@ -589,6 +664,8 @@ function endView(finish) {
 function answerMessage(content, extra) {
   const m = { role: "assistant", content, ...extra };
   if (turn && turn.turn != null) Object.assign(m, { session: client.session, turn: turn.turn });
+  const shown = view && view.continues != null ? conv.messages[view.continues] : null;
+  if (shown && shown.versions) Object.assign(m, { versions: shown.versions, at: shown.at });
   if (conv.pending) Object.assign(m, conv.pending);
   delete conv.pending;
   return m;
@@ -619,9 +696,10 @@ function failTurn(error) {
 /** The turn's answer `m` joins the conversation; its view keeps its place (and data-seq). */
 function afterTurn(m) {
   const followed = turn && turn.restored;
-  conv.messages.push(m);
+  if (view.continues != null) conv.messages[view.continues] = m; // the same answer, longer
+  else conv.messages.push(m);
   saveConv();
-  view.li.querySelector(".actions").replaceWith(messageActions(view.li, m, conv.messages.length - 1));
+  view.li.querySelector(".actions").replaceWith(messageActions(view.li, m, conv.messages.indexOf(m)));
   view = null;
   refreshActions();
   updateControls();

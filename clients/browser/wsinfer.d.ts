@@ -219,6 +219,17 @@ export declare class WsinferTurn extends EventTarget implements AsyncIterable<st
   stop(): void;
   pause(): void;
   resume(): void;
+  /**
+   * Extend a turn that ended with finishReason "length" by its max_new_tokens
+   * again: the same turn goes on (the same `turn` number and seq numbering, the
+   * KV cache the server kept), status queued then running, its deltas appended
+   * to `text`, then a new `done` event. `finished` is replaced by a promise
+   * for that `done` once the server has answered (status queued): until then
+   * it is the ended one's, so listen for `done`. Refused (an `error` event, the
+   * turn left done) for a turn that ended otherwise or is not the session's
+   * latest, and by a server without the `continue` message.
+   */
+  continue(): void;
   [Symbol.asyncIterator](): AsyncIterator<string>;
   addEventListener<K extends keyof TurnEventMap>(
     type: K,

@@ -60,17 +60,35 @@ async def test_a_cut_answer_is_marked_and_continues(
     assert "Cut off" in (await page.text_content(f"{LAST_ANSWER} .note") or "")
     assert await page.locator(".continue:visible").count() == 1
     session = await page.evaluate("window.wsinferChat.client.session")
+    turn = await page.evaluate("window.wsinferChat.turn.turn")
     await page.click(f"{LAST_ANSWER} .continue")
     await wait_messages(page, 4)
-    # No `continue` message in the protocol yet: a new turn of the same session asks for it.
+    # The stand-in, like a server older than the `continue` message, refuses it:
+    # a new turn of the same session asks for the rest, and the page says why.
+    [tried] = [m for m in server.received if m["type"] == "continue"]
+    assert tried["session"] == session and tried["turn"] == turn
     asked = generates(server)[-1]
     assert asked["session"] == session
     assert asked["messages"] == [{"role": "user", "content": "Continue"}]
+    notice = await page.text_content("#error") or ""
+    assert "could not extend this answer in place" in notice and "new message" in notice
+    await screenshot(page, "continue-refused")
     assert await page.locator(".continue:visible").count() == 1  # the last answer's only
     await page.reload()
     await wait_messages(page, 4)
     assert await page.get_attribute("li.msg.assistant >> nth=0", "data-finish") == "length"
     assert "Cut off" in (await page.text_content("li.msg.assistant >> nth=0 >> .note") or "")
+
+    # An earlier version of the answer is no turn the server can extend: no
+    # `continue` is tried, the rest is asked for in a new message at once.
+    await page.click(f"{LAST_ANSWER} .regenerate")  # a new session, the old answer kept
+    await wait_messages(page, 4)
+    await page.click(f"{LAST_ANSWER} .prev-version")
+    await page.click(f"{LAST_ANSWER} .continue")
+    await wait_messages(page, 6)
+    assert sum(1 for m in server.received if m["type"] == "continue") == 1
+    assert generates(server)[-1]["messages"][-1] == {"role": "user", "content": "Continue"}
+    assert "no longer the latest" in (await page.text_content("#error") or "")
 
 
 async def test_regenerate_keeps_versions_and_edit_branches(

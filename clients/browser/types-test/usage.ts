@@ -25,6 +25,17 @@ async function ask(question: string): Promise<string> {
   return done.finishReason === "length" ? text + "…" : text;
 }
 
+// An answer cut by max_new_tokens goes on: the same turn, its text longer
+// (a refusal, e.g. from an older server, leaves it as it was).
+function more(turn: WsinferTurn): Promise<string> {
+  return new Promise((resolve) => {
+    if (turn.finishReason !== "length") return resolve(turn.text);
+    turn.addEventListener("done", (e) => resolve(e.detail.text), { once: true });
+    turn.addEventListener("error", () => resolve(turn.text), { once: true });
+    turn.continue();
+  });
+}
+
 // How sure the model was of each token of an answer.
 async function confidence(question: string): Promise<number[]> {
   const turn = client.generate({
@@ -70,6 +81,7 @@ client.addEventListener("error", (e) => {
 
 try {
   await ask("hi");
+  if (client.currentTurn) await more(client.currentTurn);
   await weather("Paris");
 } catch (err) {
   if (err instanceof WsinferError && err.code === "not_found") client.close();
