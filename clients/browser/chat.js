@@ -6,10 +6,8 @@
 
 import { WsinferClient, WsinferTurn } from "wsinfer-client";
 import { renderMarkdown, StreamingMarkdown } from "./markdown.js";
-import {
-  ChatStore, clientKey, conversationFromLink, failureText, FINISH_NOTE, fork, linkPayload, MAX_LINK_CHARS,
-  newConversation, packLink, switchVersion, titleFor, unpackLink, validLink, versionsOf,
-} from "./store.js";
+import { sharing } from "./share.js";
+import { ChatStore, clientKey, failureText, FINISH_NOTE, fork, newConversation, switchVersion, titleFor, versionsOf } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
 const els = {
@@ -457,7 +455,7 @@ function openConversation(id) {
   restoreOrConnect();
   updateControls();
   scrollToEnd(true);
-  catchUp();
+  share.catchUp();
 }
 
 function restoreOrConnect() {
@@ -705,7 +703,7 @@ function afterTurn(m) {
   updateControls();
   scrollToEnd();
   if (document.activeElement === document.body) els.input.focus();
-  if (followed) catchUp(); // another device may have gone on meanwhile
+  if (followed) share.catchUp(); // another device may have gone on meanwhile
 }
 
 /** The whole conversation for a new session: system prompt first. */
@@ -811,142 +809,33 @@ function finishEdit(index, text) {
   resendAll();
 }
 
-// ---- continue on another device ----------------------------------------------
-// The link's fragment carries the session id, its token and the conversation
-// (store.js packLink): the other browser writes them where its WsinferClient
-// keeps a session, so restoreTurn() follows the answer in flight, live, as one
-// more follower, and its next question is one more turn of the same session.
+// ---- continue on another device (share.js) -------------------------------------
 
-const QR_MAX_CHARS = 1800; // denser codes are hard to scan from a screen
+const share = sharing({
+  els, store, pathIsSession, refollow,
+  get conv() { return conv; },
+  get client() { return client; },
+  get turn() { return turn; },
+  get apiKey() { return apiKey; },
+});
 
-async function linkFor() {
-  const live = turn && turn.active && turn.turn != null ? turn.turn : null;
-  const paused = live != null && turn.status === "paused";
-  const payload = linkPayload(conv, client.session, client.sessionToken, live, paused);
-  const base = `${location.origin}${location.pathname}#follow=`;
-  let link = base + (await packLink(payload));
-  // Too long for a link: carry the latest messages only, and say so.
-  while (link.length > MAX_LINK_CHARS && payload.m.length > 2) {
-    const drop = Math.max(1, Math.floor(payload.m.length / 4));
-    payload.m = payload.m.slice(drop);
-    payload.d = (payload.d || 0) + drop;
-    link = base + (await packLink(payload));
-  }
-  return { link, dropped: payload.d || 0, fits: link.length <= MAX_LINK_CHARS };
-}
-
-async function openShare() {
-  els.shareQr.replaceChildren();
-  els.shareLink.value = "";
-  els.shareBody.hidden = !client.session;
-  els.shareNote.textContent = client.session ? "" : "Send a message first: the link follows this conversation's session on the server.";
-  if (!els.shareDialog.open) els.shareDialog.showModal();
-  if (!client.session) return;
-  const { link, dropped, fits } = await linkFor();
-  if (!fits) {
-    els.shareBody.hidden = true;
-    els.shareNote.textContent = "This conversation's latest messages are too long to carry in a link.";
-    return;
-  }
-  els.shareLink.value = link;
-  const notes = [];
-  if (dropped) notes.push(`The conversation is too long for a link: it carries the latest ${conv.messages.length - dropped} messages; the ${dropped} before them stay on this device.`);
-  if (link.length <= QR_MAX_CHARS) await drawQr(link);
-  else notes.push("The link is too long for a QR code: copy it instead.");
-  els.shareNote.textContent = notes.join(" ");
-}
-
-async function drawQr(link) {
-  const { renderSVG } = await import("uqr");
-  // The SVG is the library's drawing of modules, with nothing of ours in it but colours.
-  els.shareQr.innerHTML = renderSVG(link, { ecc: "L", border: 2, pixelSize: 4, whiteColor: "#ffffff", blackColor: "#000000" });
-}
-
-async function copyLink() {
-  try {
-    await navigator.clipboard.writeText(els.shareLink.value);
-    els.copyLink.textContent = "Copied";
-  } catch {
-    els.shareLink.select();
-    els.copyLink.textContent = "Select and copy";
-  }
-  setTimeout(() => { els.copyLink.textContent = "Copy link"; }, 1500);
-}
-
-/** Where this browser's WsinferClient for conversation `id` finds the session to follow. */
-function followIn(id, session, token, turnNo = null, paused = false) {
-  const url = new WsinferClient({ storage: { getItem: () => null, setItem() {}, removeItem() {} } }).url;
-  const state = { url, session, token };
-  if (turnNo != null) Object.assign(state, { turn: turnNo, seq: 0, text: "", status: paused ? "paused" : "running" });
-  store.storage.setItem(clientKey(id), JSON.stringify(state));
-}
-
-/** A conversation from a `#follow=` link (its id), or null with the reason shown. */
-async function importLink(text) {
-  history.replaceState(null, "", location.pathname + location.search); // the token leaves the address bar
-  let p;
-  try {
-    p = await unpackLink(text);
-  } catch {
-    p = null;
-  }
-  if (!validLink(p)) {
-    linkNotice = "This link is cut or damaged: copy it again from the other device.";
-    return null;
-  }
-  const known = store.list().find((c) => c.session === p.s);
-  if (known) return known.id; // already followed here (or the link's own device)
-  const c = conversationFromLink(p);
-  followIn(c.id, p.s, p.k, p.t ?? null, p.p === 1);
-  store.save(c, p.s);
-  return c.id;
+/** A new client for the conversation, following what share.js wrote to its storage. */
+function refollow() {
+  const c = client;
+  saveConv();
+  client = null;
+  c.disconnect();
+  client = makeClient(conv.id);
+  renderLog();
+  restoreOrConnect();
+  updateControls();
+  scrollToEnd(true);
 }
 
 function showNotice(text) {
   els.error.dataset.code = "";
   els.error.textContent = text;
   els.error.hidden = false;
-}
-
-async function sessionInfo(session, token) {
-  const headers = { "X-Wsinfer-Token": token };
-  if (apiKey) headers.Authorization = `Bearer ${apiKey}`;
-  try {
-    const r = await fetch(`/v1/sessions/${encodeURIComponent(session)}`, { headers, cache: "no-store" });
-    return r.ok ? await r.json() : null;
-  } catch {
-    return null;
-  }
-}
-
-let catchingUp = false;
-
-/**
- * Turns of this session that another device started: follow the next one
- * (its answer replayed, then live). The server gives answers back, not
- * questions, so such a question shows as asked elsewhere.
- */
-async function catchUp() {
-  const c = client;
-  if (catchingUp || !c || !c.session || (turn && turn.active) || conv.lastSession !== c.session || conv.lastTurn == null || !pathIsSession()) return;
-  catchingUp = true;
-  try {
-    const info = await sessionInfo(c.session, c.sessionToken);
-    if (!info || c !== client || (turn && turn.active) || !(info.turn > conv.lastTurn)) return;
-    if (conv.messages.at(-1)?.role !== "user") conv.messages.push({ role: "user", content: "", remote: true });
-    conv.lastTurn += 1;
-    followIn(conv.id, c.session, c.sessionToken, conv.lastTurn, info.status === "paused" && info.turn === conv.lastTurn);
-    saveConv();
-    client = null;
-    c.disconnect();
-    client = makeClient(conv.id);
-    renderLog();
-    restoreOrConnect();
-    updateControls();
-    scrollToEnd(true);
-  } finally {
-    catchingUp = false;
-  }
 }
 
 // ---- wiring --------------------------------------------------------------------
@@ -970,16 +859,16 @@ function closeSidebar() {
 
 function wire() {
   els.form.addEventListener("submit", (e) => { e.preventDefault(); send(); });
-  els.share.addEventListener("click", openShare);
+  els.share.addEventListener("click", share.openShare);
   els.search.addEventListener("input", renderList);
   els.undo.addEventListener("click", undoDelete);
   els.toBottom.addEventListener("click", () => { scrollToEnd(true); els.input.focus(); });
   els.main.addEventListener("scroll", onScroll, { passive: true });
   window.addEventListener("pagehide", endDeletion);
-  els.copyLink.addEventListener("click", copyLink);
+  els.copyLink.addEventListener("click", share.copyLink);
   // Back on this page: another device may have gone on with the conversation.
-  document.addEventListener("visibilitychange", () => { if (!document.hidden) catchUp(); });
-  window.addEventListener("focus", () => catchUp());
+  document.addEventListener("visibilitychange", () => { if (!document.hidden) share.catchUp(); });
+  window.addEventListener("focus", () => share.catchUp());
   els.input.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
   });
@@ -1018,13 +907,13 @@ applySettings();
 if (query.has("max_new_tokens")) els.maxNew.value = query.get("max_new_tokens");
 if (query.has("temperature")) els.temperature.value = query.get("temperature");
 wire();
-let linkNotice = null;
 
 async function boot() {
   showModel();
   const hash = new URLSearchParams(location.hash.slice(1));
-  openConversation(hash.has("follow") ? await importLink(hash.get("follow")) : hash.get("c"));
-  if (linkNotice) showNotice(linkNotice);
+  const link = hash.has("follow") ? await share.importLink(hash.get("follow")) : { id: hash.get("c") };
+  openConversation(link.id);
+  if (link.notice) showNotice(link.notice);
 }
 boot();
 window.wsinferChat = {
