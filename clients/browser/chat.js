@@ -6,6 +6,8 @@
 
 import { WsinferClient, WsinferTurn } from "wsinfer-client";
 import { renderMarkdown, StreamingMarkdown } from "./markdown.js";
+import { apiKeyGate } from "./apikey.js";
+import { conversationList } from "./conversations.js";
 import { sharing } from "./share.js";
 import { ChatStore, clientKey, failureText, FINISH_NOTE, fork, newConversation, switchVersion, titleFor, versionsOf } from "./store.js";
 
@@ -27,8 +29,6 @@ const els = {
 };
 
 const query = new URLSearchParams(location.search);
-const KEY_ITEM = "wsinfer.apiKey";
-let apiKey = takeKeyFromUrl() ?? sessionStorage.getItem(KEY_ITEM) ?? localStorage.getItem(KEY_ITEM) ?? undefined;
 const store = new ChatStore();
 let settings = store.settings();
 let conv = null; // {id, title, messages: [{role, content, note?}]}
@@ -36,69 +36,18 @@ let client = null;
 let turn = null;
 let view = null; // the assistant message being streamed: {li, content, note, md}
 
-// ---- API key -----------------------------------------------------------------------
-// A server started with --api-key refuses the WebSocket handshake with HTTP 401, which
-// a browser reports only as a closed socket (so the client would retry for ever). The
-// page asks /v1/models, which answers 401 to the same missing or wrong key, and then
-// asks the user. The key lives in this tab's sessionStorage (localStorage if asked to
-// remember it), never in the address bar, the history or a Referer.
+// ---- API key (apikey.js) -------------------------------------------------------
 
-/** A `?token=` link: take the key, then drop it from the address bar. */
-function takeKeyFromUrl() {
-  if (!query.has("token")) return null;
-  const key = query.get("token");
-  query.delete("token");
-  const search = query.toString();
-  history.replaceState(null, "", `${location.pathname}${search ? `?${search}` : ""}${location.hash}`);
-  sessionStorage.setItem(KEY_ITEM, key);
-  return key || null;
-}
-
-async function keyAccepted(key) {
-  try {
-    const headers = key ? { Authorization: `Bearer ${key}` } : {};
-    const response = await fetch("/v1/models", { headers, cache: "no-store" });
-    return response.status !== 401;
-  } catch {
-    return true; // the server is unreachable: the connection state says so
-  }
-}
-
-let checkingKey = false;
-
-/** Ask for a key if the server refuses the one we have (or wants one we lack). */
-async function checkKey() {
-  if (checkingKey || els.keyDialog.open) return;
-  checkingKey = true;
-  try {
-    if (!(await keyAccepted(apiKey))) askForKey(Boolean(apiKey));
-  } finally {
-    checkingKey = false;
-  }
-}
-
-function askForKey(refused) {
-  if (client) client.disconnect(); // no retries against a closed door meanwhile
-  showConn("auth");
-  els.keyError.hidden = !refused;
-  if (!els.keyDialog.open) els.keyDialog.showModal();
-  els.keyInput.focus();
-}
-
-async function submitKey(event) {
-  event.preventDefault();
-  const key = els.keyInput.value.trim();
-  if (!key) return;
-  if (!(await keyAccepted(key))) { askForKey(true); return; }
-  apiKey = key;
-  sessionStorage.setItem(KEY_ITEM, key);
-  if (els.rememberKey.checked) localStorage.setItem(KEY_ITEM, key);
-  else localStorage.removeItem(KEY_ITEM);
-  els.keyInput.value = "";
-  els.keyDialog.close();
-  showModel();
-  openConversation(conv ? conv.id : null); // a client with the key; resumes what was open
-}
+const keys = apiKeyGate(els, query, {
+  asking() {
+    if (client) client.disconnect(); // no retries against a closed door meanwhile
+    showConn("auth");
+  },
+  accepted() {
+    showModel();
+    openConversation(conv ? conv.id : null); // a client with the key; resumes what was open
+  },
+});
 
 // ---- settings and theme ----------------------------------------------------------
 
@@ -276,7 +225,7 @@ function onScroll() {
 // The model's name, from GET /v1/models (the one model this server answers to).
 async function showModel() {
   try {
-    const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
+    const headers = keys.value ? { Authorization: `Bearer ${keys.value}` } : {};
     const r = await fetch("/v1/models", { headers, cache: "no-store" });
     const id = r.ok ? (await r.json()).data?.[0]?.id : null;
     if (!id) return;
@@ -351,71 +300,6 @@ function setDisabled(button, disabled, next) {
   if (disabled && hadFocus) (next.disabled ? els.input : next).focus();
 }
 
-// ---- conversation list -------------------------------------------------------------
-
-function timeAgo(t) {
-  const s = Math.max(0, (Date.now() - t) / 1000);
-  if (s < 60) return "just now";
-  if (s < 3600) return `${Math.floor(s / 60)} min ago`;
-  if (s < 86400) return `${Math.floor(s / 3600)} h ago`;
-  return new Date(t).toLocaleDateString();
-}
-
-function renderList() {
-  const query = els.search.value.trim();
-  const shown = store.list().filter((c) => !query || store.matches(c.id, c.title, query));
-  els.noMatch.hidden = !query || shown.length > 0;
-  els.list.replaceChildren(...shown.map(listItem));
-}
-
-function listItem(c) {
-  const li = document.createElement("li");
-  li.dataset.id = c.id;
-  if (c.session) li.dataset.session = c.session;
-  if (conv && c.id === conv.id) li.setAttribute("aria-current", "true");
-  const open = document.createElement("button");
-  open.type = "button";
-  open.className = "open";
-  const title = document.createElement("span");
-  title.textContent = c.title;
-  const when = document.createElement("small");
-  when.textContent = timeAgo(c.updated);
-  open.append(title, when);
-  open.addEventListener("click", () => { openConversation(c.id); closeSidebar(); });
-  const rename = actionButton("✎", "rename", () => startRename(li, c));
-  rename.setAttribute("aria-label", `Rename “${c.title}”`);
-  const del = actionButton("✕", "delete", () => deleteConversation(c.id));
-  del.setAttribute("aria-label", `Delete “${c.title}”`);
-  li.append(open, rename, del);
-  return li;
-}
-
-function startRename(li, c) {
-  const box = document.createElement("input");
-  box.className = "rename-box";
-  box.value = c.title;
-  box.setAttribute("aria-label", "New title");
-  let done = false;
-  const finish = (keep) => {
-    if (done) return;
-    done = true;
-    const title = box.value.trim();
-    if (keep && title && title !== c.title && store.rename(c.id, title) && conv && conv.id === c.id) {
-      conv.title = title;
-      els.title.textContent = title;
-    }
-    renderList();
-  };
-  box.addEventListener("keydown", (e) => {
-    if (e.key === "Enter") { e.preventDefault(); finish(true); }
-    if (e.key === "Escape") { e.preventDefault(); e.stopPropagation(); finish(false); }
-  });
-  box.addEventListener("blur", () => finish(true));
-  li.replaceChildren(box);
-  box.focus();
-  box.select();
-}
-
 function saveConv() {
   if (!conv.messages.length) return;
   store.save(conv, client.session);
@@ -425,13 +309,13 @@ function saveConv() {
 }
 
 function makeClient(id) {
-  const c = new WsinferClient({ token: apiKey, storage: store.storage, storageKey: clientKey(id) });
+  const c = new WsinferClient({ token: keys.value, storage: store.storage, storageKey: clientKey(id) });
   for (const state of ["connecting", "open", "reconnecting", "resumed", "closed"]) {
     c.addEventListener(state, (e) => { if (c === client) showConn(state, e.detail); });
   }
   // A refused handshake looks like a dropped connection: see whether the key is why.
   for (const state of ["reconnecting", "closed"]) {
-    c.addEventListener(state, () => { if (c === client) checkKey(); });
+    c.addEventListener(state, () => { if (c === client) keys.check(); });
   }
   c.addEventListener("error", (e) => { if (c === client) showError(e.error); });
   return c;
@@ -464,53 +348,6 @@ function restoreOrConnect() {
   restored.restored = true;
   attach(restored);
   if (restored.status === "paused") view.note.textContent = "Paused";
-}
-
-// A deletion waits UNDO_MS for Undo before the server's session is ended: until
-// then the conversation is only out of the list (and out of storage, so other
-// tabs see it gone), kept here to be put back.
-const UNDO_MS = 8000;
-let pendingDelete = null; // {snap, timer}
-
-function deleteConversation(id) {
-  endDeletion(); // one undo at a time: an earlier deletion is final now
-  if (conv && id === conv.id) {
-    if (turn && turn.active) turn.stop();
-    openConversation(null); // disconnects: the session stays until the undo is over
-  }
-  const snap = store.snapshot(id); // as the disconnect left it
-  store.remove(id);
-  renderList();
-  pendingDelete = { snap, timer: setTimeout(endDeletion, UNDO_MS) };
-  const title = snap.entry ? snap.entry.title : "the conversation";
-  els.toastText.textContent = `Deleted “${title}”.`;
-  els.toast.hidden = false;
-}
-
-function undoDelete() {
-  if (!pendingDelete) return;
-  const { snap, timer } = pendingDelete;
-  clearTimeout(timer);
-  pendingDelete = null;
-  els.toast.hidden = true;
-  store.restore(snap);
-  openConversation(snap.id);
-}
-
-/** The undo time is over: end the deleted conversation's session on the server. */
-function endDeletion() {
-  if (!pendingDelete) return;
-  const { snap, timer } = pendingDelete;
-  clearTimeout(timer);
-  pendingDelete = null;
-  els.toast.hidden = true;
-  if (!snap.client) return;
-  const scratch = new Map([["s", snap.client]]);
-  const storage = { getItem: (k) => scratch.get(k) ?? null, setItem: (k, v) => scratch.set(k, v), removeItem: (k) => scratch.delete(k) };
-  const other = new WsinferClient({ storage, storageKey: "s", token: apiKey });
-  if (!other.session) return;
-  other.addEventListener("open", () => other.close(), { once: true });
-  other.connect();
 }
 
 // ---- live speed readout -------------------------------------------------------
@@ -809,6 +646,16 @@ function finishEdit(index, text) {
   resendAll();
 }
 
+// ---- the conversation list (conversations.js) ----------------------------------
+
+const list = conversationList({
+  els, store, actionButton, openConversation, closeSidebar,
+  get conv() { return conv; },
+  get turn() { return turn; },
+  get apiKey() { return keys.value; },
+});
+function renderList() { list.renderList(); }
+
 // ---- continue on another device (share.js) -------------------------------------
 
 const share = sharing({
@@ -816,7 +663,7 @@ const share = sharing({
   get conv() { return conv; },
   get client() { return client; },
   get turn() { return turn; },
-  get apiKey() { return apiKey; },
+  get apiKey() { return keys.value; },
 });
 
 /** A new client for the conversation, following what share.js wrote to its storage. */
@@ -861,10 +708,10 @@ function wire() {
   els.form.addEventListener("submit", (e) => { e.preventDefault(); send(); });
   els.share.addEventListener("click", share.openShare);
   els.search.addEventListener("input", renderList);
-  els.undo.addEventListener("click", undoDelete);
+  els.undo.addEventListener("click", list.undoDelete);
   els.toBottom.addEventListener("click", () => { scrollToEnd(true); els.input.focus(); });
   els.main.addEventListener("scroll", onScroll, { passive: true });
-  window.addEventListener("pagehide", endDeletion);
+  window.addEventListener("pagehide", list.endDeletion);
   els.copyLink.addEventListener("click", share.copyLink);
   // Back on this page: another device may have gone on with the conversation.
   document.addEventListener("visibilitychange", () => { if (!document.hidden) share.catchUp(); });
@@ -890,7 +737,7 @@ function wire() {
   els.closeSidebar.addEventListener("click", closeSidebar);
   els.scrim.addEventListener("click", closeSidebar);
   els.openSettings.addEventListener("click", () => els.settings.showModal());
-  els.keyForm.addEventListener("submit", submitKey);
+  els.keyForm.addEventListener("submit", keys.submit);
   for (const el of [els.temperature, els.maxNew, els.system, els.themeSelect]) el.addEventListener("change", readSettings);
   els.theme.addEventListener("click", () => {
     const order = ["system", "light", "dark"];
