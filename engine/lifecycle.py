@@ -5,8 +5,9 @@ any other transformers model) takes ``add`` / ``abort`` and returns
 ``RequestOutput`` lists from ``step``; ``Core`` is that API, typed. ``CoreBase``
 owns the part that does not depend on how the forward pass runs: the step's
 skeleton (aborts, the forward, what a failed forward does to its requests),
-admission checks, rebuilding a request from its token log, accepting sampled
-tokens (end-of-sequence, stop strings, length), and building final outputs.
+admission checks and rebuilding a request from its token log; what a sampled
+token means (end-of-sequence, stop strings, length, the final outputs) is the
+``OutputProcessor``'s (``output.py``).
 Subclasses run the forward and say how a sequence's KV is retained and how it
 leaves the batch.
 """
@@ -14,19 +15,20 @@ leaves the batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from wsinfer.contract import ErrorCode, FinishReasonName
 from wsinfer.response_format import ResponseFormatError
-from wsinfer.sessions.schema import GenerationParams, TurnError, Usage
+from wsinfer.sessions.schema import TurnError, Usage
 
-from .detokenizer import Detokenizer, Detokenizers
-from .grammar import Constraint, Grammars
-from .logprobs import TokenBytes, TokenLogprob
+from .grammar import Grammars
+from .logprobs import TokenLogprob
 from .model import LoadedModel
+from .output import OutputProcessor
+from .requests import EngineRequest, RequestOutput, Sequence
 from .sampling import fresh_seed
 from .stats import CoreStats, kept_caches
 
@@ -57,34 +59,6 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # None: on CUDA
     async_steps: bool | None = None  # overlap host work with the next step; None: on CUDA
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: GenerationParams
-    generated_ids: list[int] = field(default_factory=list)
-    cache_key: str | None = None
-    # The whole text of ``generated_ids`` is out, what a detokenizer holds back
-    # included: the turn ended once (its end flushed that text) and goes on.
-    released: bool = False
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text: str
-    num_generated: int
-    finished: bool = False
-    finish_reason: FinishReasonName | None = None
-    paused: bool = False
-    usage: Usage | None = None
-    kv_len: int | None = None
-    error: TurnError | None = None  # with finish_reason "error": its code, chosen here
-    # With params.logprobs: one per new token but end-of-sequence ones (not content).
-    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Core(Protocol):
@@ -119,25 +93,6 @@ class Core(Protocol):
     def num_waiting(self) -> int: ...
 
 
-@dataclass(eq=False)
-class Sequence:
-    """Engine-side state of one request."""
-
-    request: EngineRequest
-    tokens: list[int]  # prompt + generated so far (as known on the host)
-    detok: Detokenizer
-    seed: int
-    num_generated: int
-    computed: int = 0  # leading tokens whose KV exists
-    cached_tokens: int = 0
-    seen: torch.Tensor | None = None  # context-token mask for repetition_penalty
-    constraint: Constraint | None = None  # its response_format's matcher
-
-    @property
-    def id(self) -> str:
-        return self.request.request_id
-
-
 class CoreBase:
     """Request bookkeeping common to the engine cores; subclasses run the model."""
 
@@ -148,13 +103,20 @@ class CoreBase:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.device = loaded.device
-        self.eos = frozenset(loaded.eos_token_ids)
-        self.max_context = loaded.max_context
+        self.output = OutputProcessor(loaded, loaded.max_context)
+        self.eos = self.output.eos
+        self.token_bytes = self.output.token_bytes  # for logprobs entries
         self._seqs: dict[str, Any] = {}
         self._immediate: dict[str, RequestOutput] = {}  # outputs due at the next step
         self._aborts: dict[str, bool] = {}  # request id -> pause
-        self.token_bytes = TokenBytes(loaded.tokenizer)  # for logprobs entries
-        self.detokenizers = Detokenizers(loaded.tokenizer, self.token_bytes)
+
+    @property
+    def max_context(self) -> int:
+        return self.output.max_context
+
+    @max_context.setter
+    def max_context(self, tokens: int) -> None:  # a core may serve less than the model's
+        self.output.max_context = tokens
 
     # --- public API ---------------------------------------------------------
 
@@ -175,7 +137,7 @@ class CoreBase:
             if error is not None:
                 self._immediate[rid] = refused(request, error)
                 return
-        done = self._already_done(seq)
+        done = self.output.already_done(seq)
         if done is not None:
             self._immediate[rid] = self._final_output(seq, done, [], "")
             return
@@ -248,14 +210,7 @@ class CoreBase:
 
     def _new_sequence(self, request: EngineRequest) -> Any:
         params = request.params
-        detok = self.detokenizers.new(request.prompt_ids, params.stop)
-        ends = self._ends(params)
-        for token in request.generated_ids:
-            # Rebuild the detokenizer: its text up to here was already published.
-            if token not in ends:
-                detok.add(token)
-        if request.released:
-            detok.flush()  # what it would hold back went out with the turn's end
+        detok = self.output.detokenizer(request)
         seed = params.seed if params.seed is not None else fresh_seed()
         tokens = list(request.prompt_ids) + list(request.generated_ids)
         return self._sequence_type()(request, tokens, detok, seed, len(request.generated_ids))
@@ -271,17 +226,6 @@ class CoreBase:
             return TurnError(ErrorCode.BAD_REQUEST, str(exc))
         return None
 
-    def _already_done(self, seq: Sequence) -> FinishReasonName | None:
-        """A rebuilt turn that had in fact ended (the caller missed its end)."""
-        generated = seq.request.generated_ids
-        if seq.detok.stopped or (generated and generated[-1] in self._ends(seq.request.params)):
-            return "stop"
-        if generated and seq.constraint is not None and seq.constraint.done:
-            return "stop"
-        if seq.num_generated >= seq.request.params.max_new_tokens:
-            return "length"
-        return None
-
     # --- results -------------------------------------------------------------------
 
     def _accept(
@@ -291,36 +235,14 @@ class CoreBase:
         seq.num_generated += 1
         if seq.seen is not None and token < seq.seen.shape[0]:
             seq.seen[token] = True
-        reason: FinishReasonName | None = None
-        logprobs = [logprob] if logprob is not None else []
-        constraint = seq.constraint
-        if constraint is not None:
-            failure = constraint.failure()
-            if failure is not None or not constraint.accept(token):
-                error = _broken_format(token, failure)
-                return self._final_output(seq, "error", [], seq.detok.flush(), error=error)
-        if token in self._ends(seq.request.params):
-            reason, text = "stop", seq.detok.flush()
-            logprobs = []
-        else:
-            text = seq.detok.add(token)
-            if seq.detok.stopped:
-                reason = "stop"
-            elif constraint is not None and constraint.done:
-                reason, text = "stop", text + seq.detok.flush()  # the document is complete
-            elif self._out_of_room(seq):
-                reason, text = "length", text + seq.detok.flush()
-        if reason is not None:
-            return self._final_output(seq, reason, [token], text, logprobs=logprobs)
-        return RequestOutput(seq.id, [token], text, seq.num_generated, logprobs=logprobs)
-
-    def _ends(self, params: GenerationParams) -> frozenset[int]:
-        """The tokens that end a turn: the model's end-of-sequence tokens, unless ignored."""
-        return frozenset() if params.ignore_eos else self.eos
-
-    def _out_of_room(self, seq: Sequence) -> bool:
-        max_new = seq.request.params.max_new_tokens
-        return seq.num_generated >= max_new or len(seq.tokens) >= self.max_context
+        out = self.output.accept(seq, token, logprob)
+        if out.reason is not None:
+            return self._final_output(
+                seq, out.reason, out.new_ids, out.text, error=out.error, logprobs=out.logprobs
+            )
+        return RequestOutput(
+            seq.id, out.new_ids, out.text, seq.num_generated, logprobs=out.logprobs
+        )
 
     def _process_aborts(self) -> list[RequestOutput]:
         outputs = []
@@ -350,19 +272,8 @@ class CoreBase:
         """Remove ``seq`` (retaining its KV under its cache key) and build its last output."""
         kv_len = self._retain(seq) if error is None else None
         self._remove(seq)
-        usage = Usage(len(seq.request.prompt_ids), seq.num_generated, seq.cached_tokens)
-        return RequestOutput(
-            seq.id,
-            new_ids,
-            text,
-            seq.num_generated,
-            finished=not paused,
-            finish_reason=reason,
-            paused=paused,
-            usage=usage,
-            kv_len=kv_len,
-            error=error,
-            logprobs=logprobs or [],
+        return self.output.final(
+            seq, reason, new_ids, text, paused=paused, error=error, logprobs=logprobs, kv_len=kv_len
         )
 
     def _faulted(self, failed: list[Any], message: str) -> list[RequestOutput]:
@@ -376,12 +287,3 @@ def refused(request: EngineRequest, error: TurnError) -> RequestOutput:
     n = len(request.generated_ids)
     usage = Usage(len(request.prompt_ids), n, 0)
     return RequestOutput(request.request_id, [], "", n, True, "error", usage=usage, error=error)
-
-
-def _broken_format(token: int, failure: str | None) -> TurnError:
-    """The error that ends a turn whose draw its grammar did not allow."""
-    if failure is not None:  # the schema grew too complex to follow: the client's to fix
-        message = f"the response_format could not be followed: {failure[:300]}"
-        return TurnError(ErrorCode.BAD_REQUEST, message)
-    # The mask lets no such token through: a bug of ours, not the client's doing.
-    return TurnError(ErrorCode.INTERNAL, f"token {token} breaks the turn's response_format")
