@@ -44,6 +44,8 @@ async def test_the_model_is_listed_by_its_name_and_the_old_name_still_answers(
     listed = (await http.get("/v1/models")).json()["data"]
     assert [m["id"] for m in listed] == [NAME]
     assert (await http.get(f"/v1/models/{NAME}")).status_code == 200
+    legacy = await http.get("/v1/models/wsinfer")  # the name clients were given before
+    assert legacy.status_code == 200 and legacy.json()["id"] == NAME
     for model in (NAME, "wsinfer", None):
         answer = await http.post("/v1/chat/completions", json=chat(model=model, max_tokens=2))
         assert answer.status_code == 200, answer.text
@@ -79,6 +81,11 @@ async def test_ignored_fields_are_named_in_a_header(http: httpx.AsyncClient) -> 
     assert response.headers["x-wsinfer-ignored-fields"] == "store, user"
     choices = await http.post("/v1/chat/completions", json=chat(n=2, max_tokens=2, store=True))
     assert choices.headers["x-wsinfer-ignored-fields"] == "store"
+    one = await http.post("/v1/chat/completions", json=chat(max_tokens=2, user="u"))
+    assert one.headers["x-wsinfer-ignored-fields"] == "user"
+    text = {"prompt": "Hi", "max_tokens": 2, "service_tier": "auto"}
+    completion = await http.post("/v1/completions", json=text)
+    assert completion.headers["x-wsinfer-ignored-fields"] == "service_tier"
     plain = await http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2})
     assert "x-wsinfer-ignored-fields" not in plain.headers
 

@@ -42,6 +42,7 @@ from wsinfer.http.djl_routes import DjlRoutes, is_djl
 from wsinfer.http.host import Handler
 from wsinfer.http.oip_routes import OipRoutes, is_oip
 from wsinfer.http.openai import (
+    LEGACY_MODEL_NAME,
     SESSION_HEADER,
     SSE_KEEPALIVE,
     TOKEN_HEADER,
@@ -49,6 +50,7 @@ from wsinfer.http.openai import (
     Completion,
     OpenAIError,
     bad_request,
+    ignored_headers,
     parse_chat_request,
     sse,
     sse_for,
@@ -199,7 +201,7 @@ class HttpApp:
         return HttpResponse.json(200, {"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: HttpRequest, model: str) -> HttpResponse:
-        if model != self.frontend.config.model_name:
+        if model not in (self.frontend.config.model_name, LEGACY_MODEL_NAME):
             raise OpenAIError(404, f"The model {model!r} does not exist", code="model_not_found")
         return HttpResponse.json(200, self._model_card())
 
@@ -237,7 +239,11 @@ class HttpApp:
             raise
         model = self.frontend.config.model_name
         completion = kind(accepted["session"], accepted["turn"], model, created)
-        headers = [(TOKEN_HEADER, accepted["token"]), *turn_headers([completion])]
+        headers = [
+            (TOKEN_HEADER, accepted["token"]),
+            *turn_headers([completion]),
+            *ignored_headers(chat.ignored),
+        ]
         if chat.stream:
             return self._sse_response(peer, completion, headers, chat.include_usage, after=0)
         try:
