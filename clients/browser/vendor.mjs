@@ -6,7 +6,7 @@
 //
 // Files are copied byte for byte; the versions are those pinned in
 // package-lock.json. tests/browser/test_package.py runs the check.
-import { copyFileSync, existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
+import { copyFileSync, existsSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
@@ -23,6 +23,10 @@ export const FILES = [
   ["dompurify", "LICENSE-MPL", "dompurify.LICENSE-MPL"],
   ["@highlightjs/cdn-assets", "es/highlight.min.js", "highlight.min.js"],
   ["@highlightjs/cdn-assets", "LICENSE", "highlight.js.LICENSE"],
+  // The QR code of "continue elsewhere": MIT, a port of Project Nayuki's generator,
+  // one ES module with no dependencies that renders an SVG string (no canvas).
+  ["uqr", "dist/index.mjs", "uqr.mjs"],
+  ["uqr", "LICENSE", "uqr.LICENSE"],
 ];
 
 function version(pkg) {
@@ -51,8 +55,12 @@ function check() {
   }).map(([, , to]) => to);
   const readmePath = join(out, "README.md");
   if (!existsSync(readmePath) || readFileSync(readmePath, "utf8") !== readme()) stale.push("README.md");
-  if (stale.length) {
-    console.error(`vendor/ differs from node_modules: ${stale.join(", ")} (run npm run vendor)`);
+  // A file copied in by hand would escape the check: every file here is listed.
+  const listed = new Set(["README.md", ...FILES.map(([, , to]) => to)]);
+  const unlisted = readdirSync(out).filter((name) => !listed.has(name));
+  if (stale.length || unlisted.length) {
+    if (stale.length) console.error(`vendor/ differs from node_modules: ${stale.join(", ")} (run npm run vendor)`);
+    if (unlisted.length) console.error(`vendor/ holds files vendor.mjs does not list: ${unlisted.join(", ")}`);
     process.exit(1);
   }
   console.log(`vendor/ matches node_modules (${FILES.length} files)`);

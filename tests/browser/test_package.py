@@ -32,17 +32,27 @@ def manifest() -> dict:  # type: ignore[type-arg]
     return dict(json.loads((PKG / "package.json").read_text()))
 
 
+def import_map() -> dict[str, str]:
+    """The chat page's import map: module name -> URL."""
+    html = (PKG / "index.html").read_text()
+    found = re.search(r'<script type="importmap">(.*?)</script>', html, re.S)
+    assert found is not None
+    return dict(json.loads(found[1])["imports"])
+
+
 def run(*cmd: str, cwd: Path = PKG) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
 
 
 @pytest.fixture(scope="module")
 def node_modules() -> Path:
-    """The pinned dev dependencies (package-lock.json), installed once if missing."""
-    if not (PKG / "node_modules" / "typescript" / "package.json").exists():
+    """The pinned dev dependencies (package-lock.json), installed once if any is missing
+    (a node_modules from before a new pin, e.g. uqr, lacks it)."""
+    modules = PKG / "node_modules"
+    if not all((modules / dep / "package.json").exists() for dep in manifest()["devDependencies"]):
         done = run(str(NPM), "ci", "--no-audit", "--no-fund")
         assert done.returncode == 0, done.stderr
-    return PKG / "node_modules"
+    return modules
 
 
 def test_manifest_is_a_publishable_es_module() -> None:
@@ -129,11 +139,19 @@ def test_declarations_cover_the_module_exports(node_modules: Path) -> None:
 
 
 def test_vendored_files_are_the_pinned_builds(node_modules: Path) -> None:
+    """Every file in vendor/ is listed in vendor.mjs and is, byte for byte, its
+    pinned package's build (the check refuses one copied in by hand)."""
     done = run(str(NODE), "vendor.mjs", "--check")
     assert done.returncode == 0, done.stderr
     vendor = {p.name for p in (PKG / "vendor").iterdir()}
-    for lib in ("marked", "dompurify", "highlight.js"):
+    for lib in ("marked", "dompurify", "highlight.js", "uqr"):
         assert f"{lib}.LICENSE" in vendor
+    # Each vendored module of the page's import map is one vendor.mjs lists.
+    row = r'^\s*\["[^"]+", "[^"]+", "([^"]+)"\],'
+    listed = set(re.findall(row, (PKG / "vendor.mjs").read_text(), re.M))
+    urls = import_map().values()
+    vendored = {u.removeprefix("/static/vendor/") for u in urls if u.startswith("/static/vendor/")}
+    assert vendored and vendored <= listed, vendored - listed
     lock = json.loads((PKG / "package-lock.json").read_text())["packages"]
     for dep, version in manifest()["devDependencies"].items():
         assert lock[f"node_modules/{dep}"]["version"] == version  # exact pins
@@ -148,13 +166,12 @@ def test_readme_has_the_resume_example() -> None:
 def test_chat_page_uses_exactly_the_package() -> None:
     """The page imports the package by its name; the import map resolves that
     name to the package's own entry point, served from /static."""
-    html = (PKG / "index.html").read_text()
-    imports = json.loads(re.search(r'<script type="importmap">(.*?)</script>', html, re.S)[1])
+    imports = import_map()
     entry = manifest()["exports"]["."]["default"].removeprefix("./")
-    assert imports["imports"]["wsinfer-client"] == f"/static/{entry}"
+    assert imports["wsinfer-client"] == f"/static/{entry}"
     assert 'from "wsinfer-client"' in (PKG / "chat.js").read_text()
     # Everything else the page loads is ours or vendored: nothing from a CDN.
-    for url in imports["imports"].values():
+    for url in imports.values():
         assert url.startswith("/static/") and (PKG / url.removeprefix("/static/")).is_file()
     for js in PKG.glob("*.js"):
         assert "http://" not in js.read_text().replace("http://127.0.0.1", "")
