@@ -30,6 +30,7 @@ from wsinfer.sessions.schema import DeltaEvent, DoneEvent, TurnEvent
 
 if TYPE_CHECKING:
     from wsinfer.http.host import Handler, RouteHost
+    from wsinfer.services import FrontendServices
 
 # How many events (SSE) or lines (JSON lines) a reader already has, to resume after.
 RECEIVED_HEADER = "X-Wsinfer-Received"
@@ -71,27 +72,33 @@ async def answered(
     error: type[DoorError],
 ) -> HttpResponse:
     """``run``'s answer, or its refusal in ``error``'s shape, logged as ``HttpApp`` logs."""
-    frontend = app.frontend
     try:
         return await run()
-    except DoorError as exc:
-        refused = exc
-    except OpenAIError as exc:
-        refused = error.from_openai(exc)
-    except Denied as exc:  # a repeated single header
-        refused = error(400, exc.message)
     except Exception as exc:
+        return refusal(app.frontend, loggable(request.target), exc, error).response()
+
+
+def refusal(
+    frontend: FrontendServices, path: str, exc: Exception, error: type[DoorError]
+) -> DoorError:
+    """What a door's request that raised ``exc`` is refused with, in ``error``'s
+    shape, logged as ``HttpApp`` logs; ``path`` names the request in the log."""
+    if isinstance(exc, DoorError):
+        refused = exc
+    elif isinstance(exc, OpenAIError):
+        refused = error.from_openai(exc)
+    elif isinstance(exc, Denied):  # a repeated single header
+        refused = error(400, exc.message)
+    else:
         protocol_error = to_protocol_error(exc)
         cause = protocol_error.__cause__
-        frontend.log_failure(
-            cause if isinstance(cause, Exception) else exc, protocol_error, loggable(request.target)
-        )
-        return error.from_openai(OpenAIError.from_wsinfer(protocol_error)).response()
+        frontend.log_failure(cause if isinstance(cause, Exception) else exc, protocol_error, path)
+        return error.from_openai(OpenAIError.from_wsinfer(protocol_error))
     if refused.status < 500:
-        frontend.refused(refused.code, path=loggable(request.target))
+        frontend.refused(refused.code, path=path)
     else:
         frontend.log_limited("warning", "request failed", code=refused.code)
-    return refused.response()
+    return refused
 
 
 def answering(app: RouteHost, error: type[DoorError], handler: Handler) -> Handler:

@@ -7,15 +7,18 @@ theirs; ``oip.py`` only names and shapes what is sent. A stream's events are
 numbered by count (``id: N``), and ``Last-Event-ID: N`` (or
 ``X-Wsinfer-Received: N``) with the session headers resumes it after its N-th
 event (``counted.rejoin``). The access checks (API key, origin, host) ran
-before any route, in ``HttpApp``.
+before any route, in ``HttpApp``. The gRPC door (``wsinfer/grpc_door.py``) answers
+with the same functions (``served_model``, ``model_metadata``, ``unhealthy``,
+``responses``, ``whole``), in protobuf rather than JSON.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from websockets.datastructures import Headers
 from websockets.http11 import Request
 
 from wsinfer import __version__
@@ -45,8 +48,12 @@ from wsinfer.http.peer import KEEPALIVE_S, HttpPeer
 
 if TYPE_CHECKING:
     from wsinfer.http.host import Handler, RouteHost
+    from wsinfer.services import FrontendServices
 
 MODEL = r"/v2/models/(?P<name>[^/]+)"
+# What a v2 stream is made of, whatever carries it: a delta's response (its count),
+# a pause, a stretch of silence (KEEPALIVE_S), the closing response, a failure.
+Kind = Literal["event", "paused", "idle", "done", "error"]
 
 
 def is_oip(path: str) -> bool:
@@ -82,44 +89,23 @@ class OipRoutes:
         return HttpResponse.json(200, {"live": True})
 
     async def ready(self, request: HttpRequest) -> HttpResponse:
-        why = await self._unhealthy(request)
+        why = await unhealthy(self.frontend, request.headers)
         if why:
             return OipError(503, why, "engine_unavailable").response()
         return HttpResponse.json(200, {"ready": True})
 
     async def metadata(self, request: HttpRequest, name: str) -> HttpResponse:
-        model = self._model(name)
-        strings = {"datatype": "BYTES", "shape": [-1], "parameters": {"content_type": "str"}}
-        inputs = [{"name": n, **strings} for n in sorted({*PROMPT_INPUTS, CHAT_INPUT})]
-        body = {
-            "name": model,
-            "versions": [],
-            "platform": "wsinfer",
-            "inputs": inputs,
-            "outputs": [{"name": OUTPUT, **strings}],
-        }
-        return HttpResponse.json(200, body)
+        return HttpResponse.json(200, model_metadata(self._model(name)))
 
     async def model_ready(self, request: HttpRequest, name: str) -> HttpResponse:
         model = self._model(name)
-        why = await self._unhealthy(request)
+        why = await unhealthy(self.frontend, request.headers)
         if why:
             return OipError(503, why, "engine_unavailable").response()
         return HttpResponse.json(200, {"name": model, "ready": True})
 
     def _model(self, name: str) -> str:
-        """The served model's name or ``wsinfer`` (the id of earlier versions), echoed
-        as the request named it."""
-        if name not in (self.frontend.config.model_name, LEGACY_MODEL_NAME):
-            raise not_found(name)
-        return name
-
-    async def _unhealthy(self, request: HttpRequest) -> str | None:
-        """None when ``/healthz`` is 200 (Redis and an engine answer), else why not."""
-        answer = await self.frontend.routes.answer(Request("/healthz", request.headers))
-        if answer is not None and answer.status_code == 200:
-            return None
-        return (bytes(answer.body or b"").decode().strip() if answer else "") or "unhealthy"
+        return served_model(self.frontend, name)
 
     # --- turns ------------------------------------------------------------------------
 
@@ -181,33 +167,85 @@ class OipRoutes:
     async def _events(self, peer: HttpPeer, turn: OipTurn, count: int) -> AsyncIterator[bytes]:
         """Each delta an event whose ``id`` is its count; the ``done`` a closing event
         (no text, no ``id``: nothing to resume after); a failure ``{"error"}``."""
-        while True:
-            messages = await peer.messages(KEEPALIVE_S)
-            if not messages:
+        async for kind, number, body in responses(peer, turn, count):
+            if kind == "event":
+                yield sse(body, number)
+            elif kind == "paused":
+                yield sse_comment(f"paused after event {number}")
+            elif kind == "idle":
                 yield SSE_KEEPALIVE
-            for message in messages:
-                failed = failure(message)
-                if failed is not None:
-                    yield sse(OipError.from_openai(failed).body())
-                    return
-                if message["type"] == "delta":
-                    count += 1
-                    yield sse(turn.event(message), count)
-                elif message["type"] == "paused":
-                    yield sse_comment(f"paused after event {count}")
-                elif message["type"] == "done":
-                    yield sse(turn.last("", message))
-                    return
+            else:  # the done's response, or a failure's body: the last event
+                yield sse(body)
 
     async def _whole(self, peer: HttpPeer, turn: OipTurn) -> dict[str, Any]:
-        """Wait for the turn's ``done`` (through pauses: a paused turn may be resumed)."""
-        text: list[str] = []
-        while True:
-            for message in await peer.messages(KEEPALIVE_S):
-                failed = failure(message)
-                if failed is not None:
-                    raise OipError.from_openai(failed)
-                if message["type"] == "delta":
-                    text.append(message["text"])
-                elif message["type"] == "done":
-                    return turn.last("".join(text), message)
+        return await whole(peer, turn)
+
+
+# --- what the REST and gRPC doors both answer with --------------------------------------
+
+
+def served_model(frontend: FrontendServices, name: str) -> str:
+    """The served model's name or ``wsinfer`` (the id of earlier versions), echoed
+    as the request named it; another is the protocol's 404."""
+    if name not in (frontend.config.model_name, LEGACY_MODEL_NAME):
+        raise not_found(name)
+    return name
+
+
+def model_metadata(model: str) -> dict[str, Any]:
+    strings = {"datatype": "BYTES", "shape": [-1], "parameters": {"content_type": "str"}}
+    inputs = [{"name": n, **strings} for n in sorted({*PROMPT_INPUTS, CHAT_INPUT})]
+    return {
+        "name": model,
+        "versions": [],
+        "platform": "wsinfer",
+        "inputs": inputs,
+        "outputs": [{"name": OUTPUT, **strings}],
+    }
+
+
+async def unhealthy(frontend: FrontendServices, headers: Headers) -> str | None:
+    """None when ``/healthz`` is 200 (Redis and an engine answer), else why not."""
+    answer = await frontend.routes.answer(Request("/healthz", headers))
+    if answer is not None and answer.status_code == 200:
+        return None
+    return (bytes(answer.body or b"").decode().strip() if answer else "") or "unhealthy"
+
+
+async def responses(
+    peer: HttpPeer, turn: OipTurn, count: int
+) -> AsyncIterator[tuple[Kind, int, Any]]:
+    """The turn's stream after its ``count``-th event, as (kind, count, body): each
+    delta an ``event``, its response numbered by count; then the ``done``'s closing
+    response (no text), or a failure's ``{"error"}`` body, last."""
+    while True:
+        messages = await peer.messages(KEEPALIVE_S)
+        if not messages:
+            yield "idle", count, None
+        for message in messages:
+            failed = failure(message)
+            if failed is not None:
+                yield "error", count, OipError.from_openai(failed).body()
+                return
+            if message["type"] == "delta":
+                count += 1
+                yield "event", count, turn.event(message)
+            elif message["type"] == "paused":
+                yield "paused", count, None
+            elif message["type"] == "done":
+                yield "done", count, turn.last("", message)
+                return
+
+
+async def whole(peer: HttpPeer, turn: OipTurn) -> dict[str, Any]:
+    """Wait for the turn's ``done`` (through pauses: a paused turn may be resumed)."""
+    text: list[str] = []
+    while True:
+        for message in await peer.messages(KEEPALIVE_S):
+            failed = failure(message)
+            if failed is not None:
+                raise OipError.from_openai(failed)
+            if message["type"] == "delta":
+                text.append(message["text"])
+            elif message["type"] == "done":
+                return turn.last("".join(text), message)
