@@ -278,10 +278,18 @@ async def test_previous_response_id_continues_the_session(sdk: openai.AsyncOpenA
     assert (two.session, two.turn, two.token) == (one.session, 2, one.token)
     assert second.previous_response_id == first.id
     assert second.usage is not None and second.usage.input_tokens_details.cached_tokens > 0
-    with pytest.raises(openai.BadRequestError):  # a session goes on from its last turn
-        await sdk.responses.create(
-            model="wsinfer", input="x", max_output_tokens=5, previous_response_id=first.id
-        )
+    # An earlier response: a branch, a new session that goes on from it.
+    branch = await sdk.responses.create(
+        model="wsinfer", input="x", max_output_tokens=5, previous_response_id=first.id
+    )
+    forked = ResponseId.parse(branch.id)
+    assert forked.session != one.session and forked.turn == 1 and branch.status != "failed"
+    assert branch.usage is not None and branch.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
+    after = await sdk.responses.create(
+        model="wsinfer", input="y", max_output_tokens=5, previous_response_id=branch.id
+    )
+    assert ResponseId.parse(after.id).turn == 2  # the branch goes on as any session
+    assert (await sdk.responses.retrieve(second.id)).output_text == second.output_text
     with pytest.raises(openai.NotFoundError):
         await sdk.responses.create(
             model="wsinfer", input="x", previous_response_id=f"resp_{one.session}_2_wrong"

@@ -9,12 +9,14 @@ token, so every route answers from Redis alone, on any frontend.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from wsinfer.contract import ClientMessageType, PausedMessage, ServerMessage, TurnStatus
+from wsinfer.errors import TooLarge
 from wsinfer.http.connection import HttpRequest, HttpResponse
 from wsinfer.http.openai import (
     SESSION_HEADER,
@@ -79,8 +81,8 @@ class ResponsesRoutes:
     async def start(self, ask: ResponseRequest) -> tuple[HttpPeer, ResponseView, str]:
         """Start the response's turn on a peer of its own, which follows it: the peer
         (the caller closes it), the response's view and its status as started."""
-        if ask.previous is not None:
-            await self._latest(ask.previous)
+        if ask.previous is not None and not await self._is_latest(ask.previous):
+            ask = await self._branch(ask, ask.previous)
         peer = self.app.open_peer()
         try:
             await peer.handlers.handle(ask.generate)
@@ -230,15 +232,30 @@ class ResponsesRoutes:
             raise not_found()
         return info
 
-    async def _latest(self, previous: ResponseId) -> None:
-        """``previous_response_id`` continues a session: it must be its latest turn."""
-        info = await self.info(previous)
-        if previous.turn != info.turn:
-            raise bad_request(
-                "previous_response_id must be the latest response of its conversation "
-                "(a wsinfer session goes on from its last turn; it does not branch)",
-                "previous_response_id",
-            )
+    async def _is_latest(self, previous: ResponseId) -> bool:
+        """Whether ``previous_response_id`` names its session's latest turn (which
+        the next turn continues); 404 when it names nothing."""
+        return previous.turn == (await self.info(previous)).turn
+
+    async def _branch(self, ask: ResponseRequest, previous: ResponseId) -> ResponseRequest:
+        """An earlier response of a conversation: a new session whose messages are
+        the conversation up to it, then this input. Its prompt begins as that
+        session's did, so the engine's prefix cache serves their shared KV."""
+        store, history = self.frontend.store, []
+        for turn in range(1, previous.turn + 1):
+            _, record = await store.turn_record(previous.session, turn)
+            if record is None or record.messages is None:
+                raise not_found()  # expired meanwhile, or a raw-text session's turn
+            events, _ = await store.read_turn(previous.session, turn)
+            answer = "".join(e.model_text for e in events if isinstance(e, DeltaEvent))
+            history += [*record.messages, {"role": "assistant", "content": answer}]
+        messages = history + (ask.generate.messages or [])
+        limits = self.frontend.config.limits
+        size = sum(len(m["content"]) for m in messages)
+        if len(messages) > limits.max_messages or size > limits.max_prompt_chars:
+            raise TooLarge(f"the conversation up to {previous} and this input is too long")
+        generate = dataclasses.replace(ask.generate, messages=messages, session=None, token=None)
+        return dataclasses.replace(ask, generate=generate)
 
     async def _view(self, rid: ResponseId, info: SessionInfo) -> ResponseView:
         """The response's fixed fields, from the turn's record in Redis."""
