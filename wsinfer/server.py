@@ -12,7 +12,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -39,6 +39,9 @@ from wsinfer.sendpath import DeflateLargeFactory, Sender
 from wsinfer.sessions.connect import DEFAULT_POOL_SIZE, async_client, is_cluster, ready
 from wsinfer.sessions.schema import DEFAULT_SESSION_TTL_S, ENGINE_FRESH_S
 from wsinfer.sessions.store import SessionStore
+
+if TYPE_CHECKING:
+    from wsinfer.grpc_door import GrpcDoor
 
 log = structlog.get_logger("wsinfer.frontend")
 
@@ -69,6 +72,7 @@ class FrontendConfig:
     # localhost ("*": any); checked only without API keys (DNS rebinding).
     allowed_hosts: frozenset[str] = frozenset()
     limits: Limits = field(default_factory=Limits)
+    grpc_port: int | None = None  # the v2 gRPC service (wsinfer/grpc_door.py); None: off
 
 
 class Frontend:
@@ -100,6 +104,7 @@ class Frontend:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self.server: Server | None = None
+        self.grpc: GrpcDoor | None = None  # when grpc_port is set
         self.draining = False
 
     async def start(self) -> Server:
@@ -120,6 +125,10 @@ class Frontend:
             ping_timeout=20,
         )
         log.info("frontend listening", frontend=self.id, host=self.config.host, port=self.port)
+        if self.config.grpc_port is not None:
+            from wsinfer.grpc_door import serve_grpc  # grpcio: an extra, imported when asked
+
+            self.grpc = await serve_grpc(self, self.http, self.config.host, self.config.grpc_port)
         return self.server
 
     @property
@@ -140,6 +149,8 @@ class Frontend:
 
     async def stop(self) -> None:
         self._closing = True  # a cancel that redis-py swallows must not keep _touch looping
+        if self.grpc is not None:
+            await self.grpc.stop()
         if self.server is not None:
             self.server.close()
             self.http.close()
