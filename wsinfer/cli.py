@@ -173,6 +173,13 @@ def _add_frontend(parser: argparse.ArgumentParser) -> None:
         help="port for WebSocket, HTTP and the chat page (0: any free port)",
     )
     parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=_env("GRPC_PORT"),
+        help="also serve the Open Inference Protocol v2 over gRPC (KServe's "
+        "inference.GRPCInferenceService) on this port (default: off; needs the grpc extra)",
+    )
+    parser.add_argument(
         "--api-key",
         action="append",
         dest="api_keys",
@@ -475,6 +482,7 @@ def _frontend_config(args: argparse.Namespace, redis_url: str) -> Any:
         allowed_hosts=frozenset(args.allowed_hosts),
         touch_interval_s=touch_interval(args.idle_pause),
         model_name=model_name(args),
+        grpc_port=args.grpc_port,
     )
 
 
