@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -220,6 +220,9 @@ class GrpcDoor:
         self.frontend = frontend
         self.app = app
         self.server: aio.Server | None = None
+        # The streams' tasks: the loop holds tasks weakly, and a stream's generator
+        # that a cut finalizes must not take its cancelled tasks with it.
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port``; the port bound (``port`` 0: any free one)."""
@@ -359,21 +362,25 @@ class GrpcDoor:
         async def read() -> None:
             try:
                 async for request in requests:
-                    task = asyncio.create_task(self._streamed(request, out.put))
-                    turns.add(task)
-                    task.add_done_callback(turns.discard)
+                    turns.add(self._task(self._streamed(request, out.put)))
                 await asyncio.gather(*turns)
             except Exception as exc:  # the call broke under its requests: end it
                 log.info("grpc stream ended", error=str(exc))
             await out.put(None)  # (not when cancelled: then no one reads it)
 
-        reader = asyncio.create_task(read())
+        reader = self._task(read())
         try:
             while (response := await out.get()) is not None:
                 yield response
         finally:  # the client went away: its turns go on unwatched, resumable
             for task in [reader, *turns]:
                 task.cancel()
+
+    def _task(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _streamed(
         self,
