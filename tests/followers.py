@@ -3,7 +3,8 @@ own after any drop and resumes from the last position it received, over a raw
 WebSocket ``resume``, the SSE stream with ``Last-Event-ID``, the Python client,
 the Responses API's WebSocket mode (wsinfer's ``response.resume``), TGI's
 ``/generate_stream`` (the session headers and ``Last-Event-ID``: a token index),
-the v2 ``generate_stream`` (by event count) or DJL's JSON lines (by line count).
+the v2 ``generate_stream`` (by event count), its gRPC ``ModelStreamInfer`` (the
+same count, with ``tritonclient.grpc.aio``) or DJL's JSON lines (by line count).
 ``Follower.text`` is what it received, joined: a repeat or a gap shows in a
 comparison with the turn's known text.
 """
@@ -17,7 +18,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import grpc
 import httpx
+import tritonclient.grpc.aio as triton_aio
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import WebSocketException
 
@@ -272,6 +275,39 @@ async def follow_djl(f: Follower) -> None:
             await asyncio.sleep(0.05)
 
 
+async def follow_grpc(f: Follower) -> None:
+    """``ModelStreamInfer`` (``tritonclient.grpc.aio``'s ``stream_infer``) resumed by
+    count: one request whose parameters name the session and the events received,
+    sent again on a new channel after a drop (a cut channel's own reconnect backs
+    off for seconds). ``f.cutter`` leads to the frontends' gRPC ports."""
+    count = f.received
+    target = f.cutter.http_url.removeprefix("http://")
+    while True:
+        client = triton_aio.InferenceServerClient(url=target)
+
+        async def requests(received: int) -> AsyncIterator[dict[str, Any]]:
+            resume = {"wsinfer_session": f.session, "wsinfer_token": f.token}
+            parameters = {**resume, "wsinfer_received": received}
+            yield {"model_name": f.model, "inputs": [], "parameters": parameters}
+
+        try:
+            async for result, error in client.stream_infer(requests(count)):
+                assert error is None, error
+                names = result.get_response().parameters
+                if names["triton_final_response"].bool_param:
+                    return
+                assert names["wsinfer_received"].int64_param == count + 1, (names, count)
+                f.text += "".join(t.decode() for t in result.as_numpy("text_output").flat)
+                f.progress.append((time.monotonic(), len(f.text)))
+                count += 1
+        except grpc.aio.AioRpcError:
+            pass
+        finally:
+            await client.close()
+        f.reconnects += 1
+        await asyncio.sleep(0.05)
+
+
 FOLLOW = {
     "ws": follow_ws,
     "sse": follow_sse,
@@ -280,6 +316,7 @@ FOLLOW = {
     "tgi": follow_tgi,
     "v2": follow_v2,
     "djl": follow_djl,
+    "grpc": follow_grpc,
 }
 # The followers that resume by how many events or lines they had (``received``).
-COUNTED = frozenset({"v2", "djl"})
+COUNTED = frozenset({"v2", "djl", "grpc"})

@@ -9,7 +9,8 @@ same frontend is the case the fan-in once got wrong), over a raw WebSocket
 ``resume``, the SSE stream with ``Last-Event-ID``, the Python client's
 automatic resume, the Responses API's WebSocket mode (``response.resume``),
 TGI's ``/generate_stream`` (by token index), the v2 ``generate_stream`` (by
-event count) or DJL's JSON lines (by line count).
+event count), its gRPC ``ModelStreamInfer`` (the same count, through a cutter of
+the frontends' gRPC ports) or DJL's JSON lines (by line count).
 Each follower reaches the frontends through a ``Cutter`` of its own that aborts
 its connection at random times; one frontend and one engine are killed with -9
 mid-run (the frontend comes back on its port).
@@ -32,6 +33,7 @@ import pytest
 
 from tests.cutter import Cutter
 from tests.followers import COUNTED, FOLLOW, Follower
+from tests.ports import free_ports
 from tests.stack import Client, Stack, joined
 from wsinfer.engine.fake import WORDS
 from wsinfer.sessions.connect import async_client
@@ -43,7 +45,7 @@ SESSIONS = 50
 RATE = 10  # tokens per second per turn
 TOKENS = 250  # so a turn streams for 25 s, the kills land mid-turn
 ENGINE_FLAGS = ("--max-batch-size", "64", "--threads", "1")
-KINDS = ("ws", "sse", "python", "responses_ws", "tgi", "v2", "djl")
+KINDS = ("ws", "sse", "python", "responses_ws", "tgi", "v2", "djl", "grpc")
 MEAN_CUT_S = 2.5  # mean time between two cuts of one follower's connection
 
 pytestmark = pytest.mark.timeout(240)
@@ -125,7 +127,8 @@ async def run_follower(
 async def test_every_follower_gets_the_whole_text_once(stack: Stack, cutters: list[Cutter]) -> None:
     rng = random.Random(SEED)
     stack.model = f"fake:{RATE}"
-    frontends = [stack.start_frontend() for _ in range(2)]
+    grpc_ports = free_ports(2)
+    frontends = [stack.start_frontend("--grpc-port", str(p)) for p in grpc_ports]
     ports = [port for _, port in frontends]
     engines = [stack.start_engine(f"engine-{i}", *ENGINE_FLAGS) for i in range(2)]
     turns = await start_turns(ports[0])
@@ -134,9 +137,11 @@ async def test_every_follower_gets_the_whole_text_once(stack: Stack, cutters: li
     for session, token in turns:
         for _ in range(rng.randint(1, 3)):
             joins_at = rng.uniform(0, 0.6 * TOKENS / RATE)
-            cutter = await Cutter(ports, random.Random(rng.random())).start()
+            kind = rng.choice(KINDS)
+            upstreams = grpc_ports if kind == "grpc" else ports
+            cutter = await Cutter(upstreams, random.Random(rng.random())).start()
             cutters.append(cutter)
-            followers.append((Follower(rng.choice(KINDS), session, token, -1, cutter), joins_at))
+            followers.append((Follower(kind, session, token, -1, cutter), joins_at))
     stats: Counter[str] = Counter()
     redis = async_client(stack.redis_url)
     positions = Positions(ports[1], random.Random(rng.random()), SessionStore(redis))
@@ -149,7 +154,7 @@ async def test_every_follower_gets_the_whole_text_once(stack: Stack, cutters: li
     frontends[0][0].kill()  # -9: its followers are cut mid-stream
     assert await asyncio.to_thread(frontends[0][0].wait) == -9
     await asyncio.sleep(1)
-    stack.start_frontend(port=ports[0])
+    stack.start_frontend("--grpc-port", str(grpc_ports[0]), port=ports[0])
     await asyncio.sleep(max(0.0, 0.5 * TOKENS / RATE - (time.monotonic() - began)))
     engines[0].kill()  # -9: the other engine takes its turns over from the token log
     assert await asyncio.to_thread(engines[0].wait) == -9
