@@ -9,7 +9,9 @@ import { renderMarkdown, StreamingMarkdown } from "./markdown.js";
 import { apiKeyGate } from "./apikey.js";
 import { conversationList } from "./conversations.js";
 import { sharing } from "./share.js";
-import { ChatStore, clientKey, failureText, FINISH_NOTE, fork, newConversation, switchVersion, titleFor, versionsOf } from "./store.js";
+import {
+  ChatStore, clientKey, failureText, FINISH_NOTE, fork, leaveOutOldest, newConversation, switchVersion, titleFor, versionsOf,
+} from "./store.js";
 
 const $ = (id) => document.getElementById(id);
 const els = {
@@ -121,6 +123,7 @@ function renderMessage(m, index = null) {
   noteEl.className = "note";
   if (m.note) noteEl.textContent = m.note;
   if (m.error) { li.classList.add("failed"); li.dataset.error = m.error; }
+  if (m.omitted) li.classList.add("left-out");
   if (m.finish) li.dataset.finish = m.finish;
   li.append(who, body, noteEl, messageActions(li, m, index));
   els.log.append(li);
@@ -182,9 +185,19 @@ async function copyAnswer(li, button) {
   setTimeout(() => { button.textContent = "Copy"; }, 1500);
 }
 
+const LEFT_OUT = "The model no longer reads the messages above: the conversation outgrew its context. They stay here; it answers from what follows.";
+
 function renderLog() {
   els.log.replaceChildren();
-  conv.messages.forEach((m, i) => renderMessage(m, i));
+  conv.messages.forEach((m, i) => {
+    if (!m.omitted && conv.messages[i - 1]?.omitted) {
+      const mark = document.createElement("li");
+      mark.className = "left-out-mark";
+      mark.textContent = LEFT_OUT;
+      els.log.append(mark);
+    }
+    renderMessage(m, i);
+  });
   refreshActions();
 }
 
@@ -419,9 +432,23 @@ function listen(t) {
   t.addEventListener("error", (e) => {
     if (t !== turn) return;
     if (continueRefused(t)) { continueInNewTurn(`The server could not extend this answer in place (${e.error.code})`); return; }
+    if (e.fatal && outgrown(t, e.error)) return;
     showError(e.error);
     if (e.fatal) failTurn(e.error);
   });
+}
+
+// A turn the engine ended because the conversation no longer fits the model's
+// context (a `done` with too_large: a refused `generate` has no turn number):
+// its oldest exchanges are left out of the prompt, and it is asked again.
+function outgrown(t, error) {
+  if (error.code !== "too_large" || t.turn == null || !view || view.continues != null) return false;
+  if (!leaveOutOldest(conv, error.message)) return false; // the question alone is too long
+  const n = conv.messages.filter((m) => m.omitted).length;
+  view = null;
+  resendAll();
+  showNotice(`This conversation outgrew the model's context, so its oldest ${n} messages are left out of what the model reads (marked in the conversation); the question was asked again without them.`);
+  return true;
 }
 
 // ---- Continue: a cut answer goes on ---------------------------------------------
@@ -545,7 +572,7 @@ function afterTurn(m) {
 
 /** The whole conversation for a new session: system prompt first. */
 function fullHistory() {
-  const history = conv.messages.filter((m) => m.content && !m.error).map(({ role, content }) => ({ role, content }));
+  const history = conv.messages.filter((m) => m.content && !m.error && !m.omitted).map(({ role, content }) => ({ role, content }));
   return settings.system.trim() ? [{ role: "system", content: settings.system }, ...history] : history;
 }
 
@@ -616,7 +643,7 @@ function regenerate() {
 
 function startEdit(li) {
   if (turn && turn.active) return;
-  const index = [...els.log.children].indexOf(li);
+  const index = [...els.log.querySelectorAll(":scope > .msg")].indexOf(li);
   const content = li.querySelector(".content");
   const box = document.createElement("textarea");
   box.className = "edit-box";

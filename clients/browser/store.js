@@ -290,3 +290,32 @@ export function conversationFromLink(p) {
   c.lastTurn = Number.isSafeInteger(last) ? last : null;
   return c;
 }
+
+// ---- a conversation longer than the model's context ------------------------------
+// The engine ends a turn whose prompt does not fit the model's context with a
+// `done` whose error is too_large ("prompt of N tokens does not fit the context
+// of M"). The page then leaves the oldest exchanges out of the prompt (they stay
+// in the conversation, marked `omitted`) and asks again in a new session.
+
+/**
+ * Mark the oldest messages still in the prompt of `conv` (which ends with the
+ * question being asked) as left out: whole exchanges, at least one message,
+ * about enough for the prompt to fit. How many it marked; 0 when only the
+ * question is left.
+ */
+export function leaveOutOldest(conv, message = "") {
+  const ms = conv.messages;
+  const question = ms.length - 1;
+  if (question < 1 || ms[question].role !== "user") return 0;
+  const inPrompt = ms.slice(0, question).filter((m) => !m.omitted);
+  const [, total, context] = /(\d+) tokens does not fit the context of (\d+)/.exec(message) || [];
+  const share = total && context ? (0.75 * context) / total : 0.5; // of the prompt that fits, roughly
+  const size = (m) => (m.content || "").length + 16; // characters, and the template's per message
+  const all = inPrompt.reduce((n, m) => n + size(m), size(ms[question]));
+  let left = all;
+  let k = 0;
+  // The prompt that is left starts with a question.
+  while (k < inPrompt.length && (k === 0 || left > share * all || inPrompt[k].role !== "user")) left -= size(inPrompt[k++]);
+  for (const m of inPrompt.slice(0, k)) m.omitted = true;
+  return k;
+}
