@@ -9,6 +9,7 @@ import { renderMarkdown, StreamingMarkdown } from "./markdown.js";
 import { apiKeyGate } from "./apikey.js";
 import { conversationList } from "./conversations.js";
 import { sharing } from "./share.js";
+import { SpeedReadout } from "./speed.js";
 import {
   ChatStore, clientKey, failureText, FINISH_NOTE, fork, leaveOutOldest, newConversation, switchVersion, titleFor, versionsOf,
 } from "./store.js";
@@ -346,7 +347,7 @@ function openConversation(id) {
   if (!conv.messages.length && location.hash) history.replaceState(null, "", location.pathname + location.search);
   else if (conv.messages.length) history.replaceState(null, "", `${location.pathname}${location.search}#c=${conv.id}`);
   showError(null);
-  resetSpeed(0);
+  speed.reset(0);
   renderLog();
   renderList();
   restoreOrConnect();
@@ -363,35 +364,13 @@ function restoreOrConnect() {
   if (restored.status === "paused") view.note.textContent = "Paused";
 }
 
-// ---- live speed readout -------------------------------------------------------
-
-const speed = { lastAt: null, lastSeq: 0, tokens: 0, active: 0 };
-
-function resetSpeed(seq) {
-  Object.assign(speed, { lastAt: null, lastSeq: seq, tokens: 0, active: 0 });
-  els.ttft.textContent = "–";
-  els.tps.textContent = "–";
-}
-
-function onSpeedDelta(seq, time) {
-  // Gaps over a second (pause, reconnect, reload) are not generation time.
-  if (speed.lastAt !== null && time - speed.lastAt < 1000) {
-    speed.active += time - speed.lastAt;
-    speed.tokens += seq - speed.lastSeq;
-  }
-  speed.lastAt = time;
-  speed.lastSeq = seq;
-  if (turn.firstDeltaAt !== null && els.ttft.textContent === "–" && !turn.restored) {
-    els.ttft.textContent = `${Math.round(turn.firstDeltaAt - turn.startedAt)} ms`;
-  }
-  if (speed.active > 0) els.tps.textContent = (speed.tokens / (speed.active / 1000)).toFixed(1);
-}
+const speed = new SpeedReadout(els.ttft, els.tps); // speed.js
 
 // ---- turns -------------------------------------------------------------------
 
 function attach(t) {
   turn = t;
-  resetSpeed(t.seq);
+  speed.reset(t.seq);
   if (continuedMessage(t)) view = reopenView(t);
   else {
     const { versions, at } = conv.pending || {};
@@ -416,7 +395,7 @@ function listen(t) {
     if (t !== turn) return;
     view.md.set(t.text);
     view.li.dataset.seq = String(e.detail.seq);
-    onSpeedDelta(e.detail.seq, e.detail.time);
+    speed.delta(t, e.detail.seq, e.detail.time);
     updateControls();
     scrollToEnd();
   });
@@ -494,7 +473,7 @@ function continueAnswer() {
   showError(null);
   const t = turnToContinue(m);
   if (!t) { continueInNewTurn("This answer is no longer the latest of its session on the server"); return; }
-  if (!view) { resetSpeed(t.seq); view = reopenView(t); }
+  if (!view) { speed.reset(t.seq, performance.now()); view = reopenView(t); }
   t.continue();
   updateControls();
 }

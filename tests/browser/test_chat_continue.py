@@ -82,6 +82,9 @@ async def test_continue_extends_the_cut_answer_in_place(
     assert [m["role"] for m in conv["messages"]] == ["user", "assistant"]
     assert conv["messages"][1]["turn"] == turn and conv["messages"][1]["session"] == session
     assert await page.is_hidden("#error")  # no fallback notice: the server took it
+    # The readout is the Continue's: its time to the first new token, its speed.
+    assert (await page.text_content("#ttft") or "").endswith(" ms")
+    assert float(await page.text_content("#tps") or "nan") > 0
     await screenshot(page, f"continued-{width}")
 
     # After a reload the page no longer holds the turn: Continue still extends it.
