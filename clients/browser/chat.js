@@ -332,6 +332,13 @@ function makeClient(id) {
     c.addEventListener(state, () => { if (c === client) keys.check(); });
   }
   c.addEventListener("error", (e) => { if (c === client) showError(e.error); });
+  // A Continue sent on a connection that dropped before its answer is not sent
+  // again (the turn is an ended one here): settle the answer and say so.
+  c.addEventListener("closed", () => {
+    if (c !== client || !continueUnanswered(turn)) return;
+    continueSettled();
+    showNotice("The connection dropped before the server answered Continue: press Continue again.");
+  });
   return c;
 }
 
@@ -410,7 +417,7 @@ function listen(t) {
   t.addEventListener("done", (e) => { if (t === turn) finishTurn(e.detail); });
   t.addEventListener("error", (e) => {
     if (t !== turn) return;
-    if (continueRefused(t)) { continueInNewTurn(`The server could not extend this answer in place (${e.error.code})`); return; }
+    if (continueUnanswered(t)) { continueInNewTurn(`The server could not extend this answer in place (${e.error.code})`); return; }
     if (e.fatal && outgrown(t, e.error)) return;
     showError(e.error);
     if (e.fatal) failTurn(e.error);
@@ -478,18 +485,22 @@ function continueAnswer() {
   updateControls();
 }
 
-// Refused: the continue was answered by an error while the turn stayed ended.
-function continueRefused(t) {
-  return Boolean(view && view.continues != null && t.status === "done");
+// Continue sent, not answered yet: the turn is still the ended one. (An error
+// now is its refusal.)
+function continueUnanswered(t) {
+  return Boolean(t && view && view.continues != null && t.status === "done");
+}
+
+/** The answer as it was before Continue: ended, cut, offering Continue again. */
+function continueSettled() {
+  view.li.classList.remove("streaming");
+  view.li.removeAttribute("aria-busy");
+  view = null;
+  refreshActions();
 }
 
 function continueInNewTurn(why) {
-  if (view) {
-    view.li.classList.remove("streaming");
-    view.li.removeAttribute("aria-busy");
-    view = null;
-  }
-  refreshActions();
+  if (view) continueSettled();
   send("Continue");
   showNotice(`${why}, so Continue asked for the rest in a new message.`);
 }

@@ -91,6 +91,29 @@ async def test_a_cut_answer_is_marked_and_continues(
     assert "no longer the latest" in (await page.text_content("#error") or "")
 
 
+async def test_a_continue_lost_with_its_connection_is_said(
+    make_page: Any, standin: tuple[StandIn, int], proxy_to: Any
+) -> None:
+    server, port = standin
+    proxy = await proxy_to(port)
+    page = await make_page()
+    await page.goto(f"http://127.0.0.1:{proxy.port}/?max_new_tokens=5")
+    await ask(page, "one")
+    assert await wait_done(page) == "length"
+    server.echo_ids = False  # its answer to the continue never reaches the request
+    await page.click(f"{LAST_ANSWER} .continue")
+    await page.wait_for_selector(f"{LAST_ANSWER}.streaming")
+    proxy.cut()
+    await page.wait_for_selector(f"{LAST_ANSWER}:not(.streaming)")
+    assert "connection dropped before the server answered Continue" in (
+        await page.text_content("#error") or ""
+    )
+    assert await page.get_attribute(LAST_ANSWER, "data-finish") == "length"
+    assert await page.locator(".continue:visible").count() == 1
+    assert await answer_text(page) == words(5)
+    assert await page.locator("li.msg").count() == 2
+
+
 async def test_regenerate_keeps_versions_and_edit_branches(
     make_page: Any, standin: tuple[StandIn, int]
 ) -> None:
