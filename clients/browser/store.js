@@ -255,7 +255,7 @@ export async function unpackLink(text) {
  * QR code).
  */
 export function linkPayload(conv, session, token, live, paused) {
-  const m = conv.messages.map(({ role, content, finish, error, turn, remote }) => ({ role, content, finish, error, turn, remote }));
+  const m = conv.messages.map(({ role, content, finish, error, turn, remote, omitted }) => ({ role, content, finish, error, turn, remote, omitted }));
   return { v: 1, s: session, k: token, n: conv.title, t: live, p: paused ? 1 : 0, l: conv.lastTurn ?? null, m };
 }
 
@@ -269,6 +269,7 @@ function fromLink(m, session) {
   if (typeof m.error === "string") out.error = m.error.slice(0, 64);
   if (Number.isSafeInteger(m.turn)) Object.assign(out, { turn: m.turn, session });
   if (m.role === "user" && m.remote === true) out.remote = true;
+  if (m.omitted === true) out.omitted = true; // left out of the session's prompt
   const note = out.error ? failureText({ code: out.error }) : Object.hasOwn(FINISH_NOTE, out.finish) && FINISH_NOTE[out.finish];
   if (note) out.note = note;
   return out;

@@ -86,3 +86,12 @@ async def test_the_oldest_turns_are_left_out_when_the_context_is_full(
     await answered(page, 4)
     assert await marks(page) == [True, True, False, False]
     assert await page.locator("li.left-out-mark").count() == 1
+
+    # The "continue elsewhere" link carries the marks to the other device.
+    await page.click("#share")
+    await page.wait_for_function("() => document.getElementById('share-link').value")
+    link = await page.input_value("#share-link")
+    other = await make_page(width, height, "dark")  # a browser context of its own
+    await other.goto(link)
+    await other.wait_for_selector("li.left-out-mark")
+    assert await marks(other) == [True, True, False, False]
