@@ -23,6 +23,7 @@ import torch
 
 from wsinfer import tools
 from wsinfer.response_format import ResponseFormatError, grammar_for
+from wsinfer.tool_formats import ToolFormat, call_grammar, format_for_template
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
 # Compiled formats kept for the next turn that sends the same one (an application
@@ -60,6 +61,8 @@ class Grammars:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
         self._hf = tokenizer
+        # How this model writes tool calls, for the grammar of a required one.
+        self.calls = format_for_template(getattr(tokenizer, "chat_template", None))
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._eos = sorted(eos_ids)
@@ -84,7 +87,7 @@ class Grammars:
             self._tokenizer = llguidance.hf.from_tokenizer(
                 self._hf, n_vocab=self.vocab_size, eos_token=self._eos or None
             )
-        pristine = llguidance.LLMatcher(self._tokenizer, _grammar(response_format))
+        pristine = llguidance.LLMatcher(self._tokenizer, _grammar(response_format, self.calls))
         if pristine.is_error():
             raise ResponseFormatError(f"response_format cannot be enforced: {pristine.get_error()}")
         self._compiled[response_format] = pristine
@@ -110,9 +113,10 @@ class Grammars:
         return mask
 
 
-def _grammar(fmt: str) -> str:
-    """A format's grammar: a response_format's, or the calls a tool_choice requires."""
-    return tools.grammar_for(fmt) if tools.is_call_format(fmt) else grammar_for(fmt)
+def _grammar(fmt: str, calls: ToolFormat) -> str:
+    """A format's grammar: a response_format's, or the calls a tool_choice requires,
+    as the model writes them (``calls``)."""
+    return call_grammar(fmt, calls) if tools.is_call_format(fmt) else grammar_for(fmt)
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -56,7 +56,8 @@ from wsinfer.sessions.worker import (
     WorkerStore,
     WorkItem,
 )
-from wsinfer.tools import CLOSE, ToolCallParser, tool_names
+from wsinfer.tool_formats import HERMES, CallParser, ToolFormat, format_for_template
+from wsinfer.tools import tool_names
 
 log = structlog.get_logger("wsinfer.engine")
 
@@ -100,7 +101,7 @@ class ActiveTurn:
     # for a poll interval (waiting for a batch slot, a long prefill) are polled.
     checked_at: float = 0.0
     idle_paused: bool = False  # the idle limit asked the core to pause it
-    calls: ToolCallParser | None = None  # a turn with tools: its text split into calls
+    calls: CallParser | None = None  # a turn with tools: its text split into calls
 
 
 class EngineProcess:
@@ -114,6 +115,8 @@ class EngineProcess:
     ) -> None:
         self.core = core
         self.loaded = loaded
+        # How this model writes tool calls: read back out of its text in that format.
+        self.tool_format = format_for_template(getattr(loaded.tokenizer, "chat_template", None))
         self.store = store
         self.config = config
         self.metrics = metrics or EngineMetrics(engine_id=config.engine_id)
@@ -259,9 +262,10 @@ class EngineProcess:
             budget = published.ended_at + params.max_new_tokens
             params = dataclasses.replace(params, max_new_tokens=budget)
         if params.calls_tools:
-            active.calls = ToolCallParser(tool_names(params.tools), f"call_{session}_{turn}")
+            prefix = f"call_{session}_{turn}"
+            active.calls = self.tool_format.parser(tool_names(params.tools), prefix)
             active.calls.feed(published.text)  # already out
-            params = _held_to_its_calls(params)
+            params = _held_to_its_calls(params, self.tool_format)
         self.active[request_id] = active
         self.core.add(
             EngineRequest(
@@ -294,7 +298,7 @@ class EngineProcess:
         current = history.current
         if current.mode == "text":
             return render_text(tokenizer, current.prompt or "", history.previous_ids)
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
         for said, answer in history.chat_turns:
             messages += said + [{"role": "assistant", "content": answer}]
         tools = current.params.tools if current.params.calls_tools else None
@@ -527,14 +531,15 @@ def _delta(
     )
 
 
-def _held_to_its_calls(params: GenerationParams) -> GenerationParams:
+def _held_to_its_calls(params: GenerationParams, fmt: ToolFormat = HERMES) -> GenerationParams:
     """A turn's params as the core runs them: a choice that requires a call is a
-    grammar; a single call, unless required, ends the turn at its closing tag."""
+    grammar; a single call, unless required, ends the turn at its closing tag (in a
+    format that has one: the others end with the model's end token)."""
     forced = params.tool_format
     if forced is not None:
         return dataclasses.replace(params, response_format=forced)
-    if not params.parallel_tool_calls:
-        return dataclasses.replace(params, stop=(*params.stop, CLOSE))
+    if not params.parallel_tool_calls and fmt.stop is not None:
+        return dataclasses.replace(params, stop=(*params.stop, fmt.stop))
     return params
 
 

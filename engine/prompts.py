@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from wsinfer.tool_formats import ToolFormat, format_for_template
 from wsinfer.tools import template_messages, template_tools
 
 _PROBE_TOOL = [{"type": "function", "function": {"name": "probe", "parameters": {}}}]
@@ -17,6 +18,9 @@ def render_chat(
     """The whole conversation through the chat template, ready for the assistant's
     reply; with ``tools`` (canonical JSON), told of them as wsinfer/tools.py says."""
     native = knows_tools(tokenizer)
+    if not native:  # the template cannot write calls: they are written as the model does
+        calls = format_for_template(getattr(tokenizer, "chat_template", None))
+        messages = [_as_text(m, calls) for m in messages]
     conversation = template_messages(messages, tools, native)
     extra = {"tools": template_tools(tools)} if native and tools else {}
     ids = tokenizer.apply_chat_template(
@@ -26,6 +30,20 @@ def render_chat(
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+def _as_text(message: dict[str, Any], calls: ToolFormat) -> dict[str, Any]:
+    """A message for a template that knows no tools: an assistant's calls written
+    into its content in the model's format; a tool result without its call id."""
+    if "tool_calls" in message:
+        written = [
+            (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]
+        ]
+        parts = [message["content"]] if message["content"] else []
+        return {"role": message["role"], "content": "\n".join([*parts, calls.calls_text(written)])}
+    if "tool_call_id" in message:
+        return {"role": message["role"], "content": message["content"]}
+    return message
 
 
 def knows_tools(tokenizer: Any) -> bool:

@@ -277,7 +277,7 @@ class TurnInput:
     """What a client asked for in one ``generate``: the engine renders it."""
 
     mode: str  # "chat" (messages) or "text" (prompt)
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     prompt: str | None
     params: GenerationParams
 

@@ -71,7 +71,7 @@ class Limits:
 @dataclass(frozen=True)
 class Generate:
     id: str | int | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     prompt: str | None
     params: GenerationParams
     session: str | None = None
@@ -185,7 +185,7 @@ def _string(data: dict[str, Any], name: str, max_chars: int | None = None) -> st
     return value
 
 
-def _parse_messages(raw: Any, limits: Limits) -> list[dict[str, str]]:
+def _parse_messages(raw: Any, limits: Limits) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty list")
     if len(raw) > limits.max_messages:
@@ -193,10 +193,11 @@ def _parse_messages(raw: Any, limits: Limits) -> list[dict[str, str]]:
     return [_parse_message(item, i) for i, item in enumerate(raw)]
 
 
-def _parse_message(item: Any, index: int) -> dict[str, str]:
+def _parse_message(item: Any, index: int) -> dict[str, Any]:
     """``{role, content}``; an assistant's may carry ``tool_calls`` (its content then
-    optional), a tool's result its ``tool_call_id``. Calls are kept as the text the
-    model writes for them (wsinfer/tools.py), so a conversation is plain messages."""
+    optional), a tool's result its ``tool_call_id``. Calls are kept structured
+    (``tools.checked_calls``): the engine writes them as its model does, through the
+    model's chat template or in its format (wsinfer/tool_formats.py)."""
     if not isinstance(item, dict) or "role" not in item:
         raise BadRequest("each message must be {role, content}")
     role = item["role"]
@@ -209,11 +210,12 @@ def _parse_message(item: Any, index: int) -> dict[str, str]:
             "tool_call_id: tool only)"
         )
     content = item.get("content")
+    calls = None
     if item.get("tool_calls") not in (None, []):  # an empty list is no calls, as OpenAI reads it
         if content is not None and not isinstance(content, str):
             raise BadRequest("content must be a string (or null with tool_calls)")
         try:
-            content = tool_calling.assistant_text(content, item["tool_calls"], f"messages[{index}]")
+            calls = tool_calling.checked_calls(item["tool_calls"], f"messages[{index}]")
         except tool_calling.ToolsError as exc:
             raise BadRequest(str(exc)) from exc
     elif not isinstance(content, str):
@@ -221,7 +223,12 @@ def _parse_message(item: Any, index: int) -> dict[str, str]:
     call_id = item.get("tool_call_id")
     if call_id is not None and (not isinstance(call_id, str) or len(call_id) > MAX_ID_CHARS):
         raise BadRequest(f"tool_call_id must be a string of at most {MAX_ID_CHARS} characters")
-    return {"role": role, "content": content}
+    message: dict[str, Any] = {"role": role, "content": content or ""}
+    if calls:
+        message["tool_calls"] = calls
+    if call_id is not None:
+        message["tool_call_id"] = call_id
+    return message
 
 
 def _parse_generate(data: dict[str, Any], limits: Limits) -> Generate:

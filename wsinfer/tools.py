@@ -165,11 +165,21 @@ def call_text(name: str, arguments: Any) -> str:
 
 
 def assistant_text(content: str | None, tool_calls: Any, where: str) -> str:
-    """An assistant message that made calls, as the text the model wrote for it: its
-    content (if any), then each call (OpenAI's ``arguments`` is JSON text)."""
+    """An assistant message that made calls, as the Hermes text the model wrote for
+    it: its content (if any), then each call (OpenAI's ``arguments`` is JSON text)."""
+    parts = [content] if content else []
+    parts += [call_text(call["function"]["name"], call["function"]["arguments"])
+              for call in checked_calls(tool_calls, where)]  # fmt: skip
+    return "\n".join(parts)
+
+
+def checked_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` (OpenAI's shape, ``arguments`` as JSON
+    text), checked, as the turn record keeps them and chat templates take them:
+    ``{"type": "function", "function": {"name", "arguments": {...}}}``."""
     if not isinstance(tool_calls, list) or not tool_calls:
         raise ToolsError(f"{where}.tool_calls must be a non-empty list")
-    parts = [content] if content else []
+    out = []
     for i, call in enumerate(tool_calls):
         at = f"{where}.tool_calls[{i}]"
         if not isinstance(call, dict) or call.get("type", "function") != "function":
@@ -188,12 +198,15 @@ def assistant_text(content: str | None, tool_calls: Any, where: str) -> str:
             parsed = None
         if not isinstance(parsed, dict):
             raise ToolsError(f"{at}.function.arguments must be a JSON object, as text")
-        parts.append(call_text(name, parsed))
-    return "\n".join(parts)
+        kept: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": parsed}}
+        if isinstance(call.get("id"), str):  # templates that pair calls and results use it
+            kept["id"] = call["id"]
+        out.append(kept)
+    return out
 
 
 def template_messages(
-    messages: list[dict[str, str]], tools: str | None, native: bool
+    messages: list[dict[str, Any]], tools: str | None, native: bool
 ) -> list[dict[str, str]]:
     """The conversation for a chat template: as it is where the template knows tools
     (``native``), else with the tools in a system message and each run of ``tool``
@@ -269,10 +282,14 @@ def is_call_format(text: str) -> bool:
     return text.startswith('{"type":"tool_calls"')
 
 
-def grammar_for(text: str) -> str:
-    """A Lark grammar for llguidance: one call (or, in parallel, several, a newline
-    between), each ``{"name": N, "arguments": {...}}`` for one of the allowed tools,
-    with arguments valid for that tool's parameters."""
+def grammar_for(
+    text: str, around: list[str] | None = None, arguments_key: str = "arguments"
+) -> str:
+    """A Lark grammar for llguidance: one call (or, in parallel, several), each
+    ``{"name": N, "arguments": {...}}`` for one of the allowed tools, with arguments
+    valid for that tool's parameters. ``around``: the rules that place the calls
+    (``body``), by default the Hermes tags, a newline between calls; a format that
+    writes the arguments under another key names it (``wsinfer/tool_formats.py``)."""
     spec = json.loads(text)
     layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     strict = all(t["strict"] for t in spec["tools"])
@@ -280,21 +297,27 @@ def grammar_for(text: str) -> str:
     for tool in spec["tools"]:
         schema = {
             "type": "object",
-            "properties": {"name": {"const": tool["name"]}, "arguments": tool["parameters"]},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": tool["name"]}, arguments_key: tool["parameters"]},
+            "required": ["name", arguments_key],
             "additionalProperties": False,
             "x-guidance": {**layout, "lenient": not strict},
         }
         bodies.append("%json " + json.dumps(schema, ensure_ascii=False))
-    start = 'start: call ("\\n" call)*' if spec["parallel"] else "start: call"
+    if around is None:
+        start = 'start: call ("\\n" call)*' if spec["parallel"] else "start: call"
+        around = [start, f'call: "{OPEN}\\n" body "\\n{CLOSE}"']
     return "\n".join(
         [
-            start,
-            f'call: "{OPEN}\\n" body "\\n{CLOSE}"',
+            *around,
             "body: " + " | ".join(f"body{i}" for i in range(len(bodies))),
             *(f"body{i}: {body}" for i, body in enumerate(bodies)),
         ]
     )
+
+
+def spec_parallel(text: str) -> bool:
+    """Whether a required call's spec (``call_format``) allows several calls."""
+    return bool(json.loads(text)["parallel"])
 
 
 def check_grammar(text: str) -> None:

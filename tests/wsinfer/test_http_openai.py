@@ -122,12 +122,13 @@ def test_tools_calls_and_results_reach_the_turn_checked() -> None:
     params = chat.generate.params
     assert params.tools is not None and '"name":"get_weather"' in params.tools
     assert (params.tool_choice, params.parallel_tool_calls) == ("function:get_weather", False)
+    # The calls kept structured, for the engine to write as its model does.
+    kept = {"type": "function", "function": {"name": "get_weather", "arguments": {}}}
     assert chat.generate.messages == [
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant",
-         "content": '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'},
-        {"role": "tool", "content": "sunny"},
-    ]  # fmt: skip
+        {"role": "assistant", "content": "", "tool_calls": [{**kept, "id": "c"}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c"},
+    ]
 
 
 def test_an_empty_tool_calls_list_is_no_calls() -> None:

@@ -483,12 +483,13 @@ def test_function_calls_and_their_outputs_in_the_input_are_the_chats() -> None:
     )
     params = asked.generate.params
     assert (params.tool_choice, params.parallel_tool_calls) == ("function:f", False)
-    written = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    kept = {"type": "function", "function": {"name": "f", "arguments": {}}}
     assert asked.generate.messages == [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": f"Let me see.\n{written}\n{written}"},
-        {"role": "tool", "content": "one"},
-    ]
+        {"role": "assistant", "content": "Let me see.",
+         "tool_calls": [{**kept, "id": "c1"}, {**kept, "id": "c2"}]},
+        {"role": "tool", "content": "one", "tool_call_id": "c1"},
+    ]  # fmt: skip
     for bad, words in (
         ({**call, "call_id": 3}, "call_id must be a string"),
         ({**call, "arguments": "[]"}, "arguments must be a JSON object"),
