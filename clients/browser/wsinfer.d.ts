@@ -45,6 +45,12 @@ export interface GenerateParams {
   top_p?: number;
   top_k?: number;
   repetition_penalty?: number;
+  /** OpenAI's: -2 to 2, once a token has appeared in this turn. */
+  presence_penalty?: number;
+  /** OpenAI's: -2 to 2, per appearance of a token in this turn. */
+  frequency_penalty?: number;
+  /** Locally typical sampling: (0, 1], 1 is off. */
+  typical_p?: number;
   seed?: number;
   stop?: string[];
   /** The end-of-sequence token does not end the turn: it runs to max_new_tokens. */
