@@ -126,3 +126,14 @@ def _client_error(code: str) -> errors.WsinferError:
         errors.ClientClosed.code: errors.ClientClosed,
     }
     return own[code]() if code in own else errors.error_from_wire({"code": code})
+
+
+def test_type_declarations_list_every_generation_param() -> None:
+    """``GenerateParams`` in wsinfer.d.ts names exactly what the server accepts in
+    ``params`` (sessions/schema.py), so a new parameter is typed for browser users."""
+    from wsinfer.sessions.schema import _PARAM_CHECKS
+
+    dts = (BROWSER / "wsinfer.d.ts").read_text()
+    block = dts.split("export interface GenerateParams {", 1)[1].split("\n}", 1)[0]
+    declared = set(re.findall(r"^  ([a-z_]+)\?:", block, re.MULTILINE))
+    assert declared == set(_PARAM_CHECKS)
