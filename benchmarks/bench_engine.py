@@ -184,10 +184,15 @@ def throughput_table(
     rows = [
         "| streams | EngineCore tok/s | previous core | EngineCore / previous "
         "| generate (static) | engine / generate | transformers CB | engine / CB "
-        "| engine N / engine 1 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| engine N / engine 1 | engine / roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     single = 0.0
+    # The CPU's roofline: the bytes a step reads over the copy bandwidth these threads
+    # reach, measured now (a shared machine moves both alike).
+    bandwidth = copy_bandwidth(str(loaded.device)) if loaded.device.type == "cpu" else 0.0
+    if bandwidth:
+        print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
     for n in batches:
         prompts = chat_prompts(loaded, n)
         total = n * new_tokens
@@ -204,10 +209,15 @@ def throughput_table(
         if cb is not None:
             cb_rate = best_rate(total, partial(cb.run, prompts), repeats)
             cb_cell, cb_ratio = f"{cb_rate:.1f}", f"{ours / cb_rate:.2f}x"
+        fraction = "n/a"
+        if bandwidth:
+            context = sum(map(len, prompts)) // n + new_tokens // 2  # the mean over the run
+            limit = n * bandwidth / step_bytes(engines[0], n, context)
+            fraction = f"{ours / limit:.2f} (of {limit:.0f})"
         rows.append(
             f"| {n} | {ours:.1f} | {previous_cell} | {previous_ratio} | {static:.1f} "
             f"| {ours / static:.2f}x "
-            f"| {cb_cell} | {cb_ratio} | {ours / single:.2f}x |"
+            f"| {cb_cell} | {cb_ratio} | {ours / single:.2f}x | {fraction} |"
         )
         print(rows[-1], file=sys.stderr, flush=True)
     if cb is not None:
@@ -319,14 +329,47 @@ def gpu_model(
 
 
 def copy_bandwidth(device: str = "cuda") -> float:
-    """Device-to-device copy bandwidth in bytes/s (each byte read once and written once)."""
-    # 1 GiB on a GPU (far past its L2); the CPU stand-in only checks the code path.
-    size = 2**30 if device.startswith("cuda") else 2**24
-    src = torch.empty(size, dtype=torch.uint8, device=device)
+    """Device-to-device copy bandwidth in bytes/s (each byte read once and written once),
+    with the threads torch runs on. 1 GiB: far past a GPU's L2 and any CPU's L3."""
+    size = 2**30
+    src = torch.ones(size, dtype=torch.uint8, device=device)  # touched: no lazy first pages
     dst = torch.empty_like(src)
     dst.copy_(src)
     seconds = timed(lambda: [dst.copy_(src) for _ in range(10)]) / 10
     return 2 * src.numel() / seconds
+
+
+def step_bytes(core: EngineCore, batch: int, context: int) -> int:
+    """The bytes one decode step of ``batch`` rows of ``context`` tokens must read, as
+    this core holds the model: every weight tensor it multiplies by once (the
+    quantized blocks where it uses them; not the embedding table, of which a step
+    reads one row per token, nor the rotary tables), plus each row's K and V."""
+    model: Any = core.model
+    seen: set[int] = set()
+    total = 0
+
+    def walk(value: Any, depth: int) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = id(storage)
+            if key not in seen and value.data_ptr() not in seen:
+                seen.update((key, value.data_ptr()))
+                total += value.numel() * value.element_size()
+        elif depth > 0 and isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item, depth - 1)
+        elif depth > 0 and hasattr(value, "__dict__") and not isinstance(value, type):
+            for name, item in vars(value).items():
+                # The table itself is looked up, not read: a tied head reaches it
+                # through the head, which multiplies by all of it.
+                if name not in ("cos", "sin", "embed", "config"):
+                    walk(item, depth - 1)
+
+    walk(model, 6)
+    pool = core.pool
+    kv_per_token = 2 * pool.k.shape[0] * pool.k[0, 0, 0].numel() * pool.k.element_size()
+    return total + kv_per_token * context * batch
 
 
 def roofline(loaded: LoadedModel, batch: int, context: int, bandwidth: float) -> float:
