@@ -69,7 +69,7 @@ def test_throughput_table_has_a_row_per_batch_size(bench_engine: ModuleType) -> 
     assert all(row[3].endswith("x") for row in rows)  # EngineCore / the previous core
     assert rows[0][-2] == "1.00x"  # engine N / engine 1
     # The share of the CPU's roofline (the bytes a step reads over the copy bandwidth).
-    assert all(0 < float(row[-1].split()[0]) and "(of " in row[-1] for row in rows)
+    assert all(float(row[-1].split()[0]) > 0 and "(of " in row[-1] for row in rows)
 
 
 def test_multiturn_table_compares_retained_and_recomputed(bench_engine: ModuleType) -> None:
