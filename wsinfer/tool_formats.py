@@ -30,6 +30,7 @@ from wsinfer.tools import (
     ToolCallParser,
     call_text,
     grammar_for,
+    read_call,
     spec_parallel,
 )
 
@@ -207,20 +208,9 @@ class LeadingCalls:
     def _call(self, item: Any) -> dict[str, Any] | None:
         if not isinstance(item, dict) or set(item) - {"name", "arguments", "parameters"}:
             return None
-        name = item.get("name")
         arguments = item.get(self.fmt.arguments_key, item.get("arguments"))
-        if isinstance(arguments, str):  # some models write the arguments as JSON text
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return None
-        if name not in self.names or not isinstance(arguments, dict):
+        call = read_call(item.get("name"), arguments, self.names, self.call_id_prefix, self.count)
+        if call is None:
             return None
-        call = {
-            "index": self.count,
-            "id": f"{self.call_id_prefix}_{self.count}",
-            "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
-        }
         self.count += 1
         return call

@@ -410,20 +410,30 @@ class ToolCallParser:
             return None
         if not isinstance(data, dict) or set(data) != {"name", "arguments"}:
             return None
-        name, arguments = data["name"], data["arguments"]
-        if isinstance(arguments, str):  # some models write the arguments as JSON text
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return None
-        if name not in self.names or not isinstance(arguments, dict):
+        return read_call(
+            data["name"], data["arguments"], self.names, self.call_id_prefix, self.count
+        )
+
+
+def read_call(
+    name: Any, arguments: Any, names: frozenset[str], call_id_prefix: str, index: int
+) -> dict[str, Any] | None:
+    """A call the model wrote, in OpenAI's shape (``arguments`` as JSON text), if it
+    names one of ``names`` with an object of arguments (which some models write as
+    JSON text); None where it is not a call, whatever the format it was written in."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
             return None
-        return {
-            "index": self.count,
-            "id": f"{self.call_id_prefix}_{self.count}",
-            "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
-        }
+    if name not in names or not isinstance(arguments, dict):
+        return None
+    return {
+        "index": index,
+        "id": f"{call_id_prefix}_{index}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
 
 
 def _partial(tag: str, text: str, start: int) -> int:
