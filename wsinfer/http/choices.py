@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from wsinfer.contract import ServerMessage, SessionMessage
+from wsinfer.contract import SessionMessage
 from wsinfer.http.connection import HttpResponse
 from wsinfer.http.openai import (
     SSE_DONE,
@@ -35,7 +35,7 @@ from wsinfer.http.openai import (
     sse_comment,
     turn_headers,
 )
-from wsinfer.http.peer import KEEPALIVE_S, HttpPeer
+from wsinfer.http.peer import KEEPALIVE_S, HttpPeer, merged_messages
 from wsinfer.messages import Generate
 
 if TYPE_CHECKING:
@@ -117,15 +117,7 @@ class ManyChoices:
         number cannot say where ``n`` streams are (each choice's session resumes on
         its own, ``GET /v1/sessions/{id}/stream``). ``readers`` gets the tasks that
         follow the choices, for the response's cleanup to cancel."""
-        arrivals: asyncio.Queue[tuple[int, list[ServerMessage]]] = asyncio.Queue()
-
-        async def follow(index: int) -> None:
-            while True:
-                messages = await peers[index].messages(KEEPALIVE_S)
-                if messages:
-                    await arrivals.put((index, messages))
-
-        readers += [asyncio.create_task(follow(i)) for i in range(len(peers))]
+        arrivals = merged_messages(peers, readers)
         usages: dict[int, dict[str, Any]] = {}
         try:
             for completion in completions:

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 from websockets.http11 import Request
 
 from wsinfer.access import one_header
-from wsinfer.contract import ServerMessage, SessionMessage
+from wsinfer.contract import SessionMessage
 from wsinfer.http import counted
 from wsinfer.http.connection import HttpRequest, HttpResponse
 from wsinfer.http.djl import DjlError, error_line, line, not_found, parse_djl_request
 from wsinfer.http.openai import LEGACY_MODEL_NAME, SESSION_HEADER, TOKEN_HEADER, failure
-from wsinfer.http.peer import KEEPALIVE_S, HttpPeer
+from wsinfer.http.peer import HttpPeer, merged_messages
 
 if TYPE_CHECKING:
     from wsinfer.http.host import Handler, RouteHost
@@ -136,15 +136,7 @@ async def _lines(peers: list[HttpPeer], readers: list[asyncio.Task[None]]) -> As
     delta or has ended; the end once every turn has. A failed turn ends the stream
     with DJL's error as the last line. ``readers`` gets the tasks that follow the
     peers, for the response's cleanup to cancel."""
-    arrivals: asyncio.Queue[tuple[int, list[ServerMessage]]] = asyncio.Queue()
-
-    async def follow(index: int) -> None:
-        while True:
-            messages = await peers[index].messages(KEEPALIVE_S)
-            if messages:
-                await arrivals.put((index, messages))
-
-    readers += [asyncio.create_task(follow(i)) for i in range(len(peers))]
+    arrivals = merged_messages(peers, readers)
     pending: list[list[str]] = [[] for _ in peers]  # texts not on a line yet
     ended = [False] * len(peers)
     try:

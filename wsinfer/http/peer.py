@@ -152,3 +152,21 @@ class HttpPeer:
         """Stop following: generation goes on unwatched, as after a WebSocket disconnect."""
         self.frontend.fanin.unsubscribe_all(lambda owner: owner[0] == self.id)  # type: ignore[index]
         self.protocol.feeds.clear()
+
+
+def merged_messages(
+    peers: list[HttpPeer], readers: list[asyncio.Task[None]]
+) -> asyncio.Queue[tuple[int, list[ServerMessage]]]:
+    """One queue of ``(index, messages)`` that each of ``peers`` delivers, as it does
+    (a response that merges several turns: ``n`` choices, a batch of prompts);
+    ``readers`` gets the tasks that follow them, for the response's cleanup to cancel."""
+    arrivals: asyncio.Queue[tuple[int, list[ServerMessage]]] = asyncio.Queue()
+
+    async def follow(index: int) -> None:
+        while True:
+            messages = await peers[index].messages(KEEPALIVE_S)
+            if messages:
+                await arrivals.put((index, messages))
+
+    readers += [asyncio.create_task(follow(i)) for i in range(len(peers))]
+    return arrivals
