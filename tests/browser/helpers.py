@@ -116,13 +116,15 @@ async def reference_run(
 LAST_ANSWER = "li.msg.assistant:last-child"
 
 
-async def settled(page: Any, n: int) -> None:
-    """Until the page shows ``n`` messages, the last one finished, and no turn runs."""
+async def settled(page: Any, n: int, timeout_ms: float | None = None) -> None:
+    """Until the page shows ``n`` messages, the last one finished, and no turn runs
+    (within ``timeout_ms``; Playwright's default when None)."""
     await page.wait_for_function(
         "n => document.querySelectorAll('li.msg').length === n"
         " && document.querySelector('li.msg:last-child').dataset.finish"
         " && document.body.dataset.turn === 'idle'",
         arg=n,
+        **({} if timeout_ms is None else {"timeout": timeout_ms}),
     )
 
 

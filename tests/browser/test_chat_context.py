@@ -14,7 +14,7 @@ import pytest
 from tests.stack import start_serve, stop_serve
 
 from .conftest import RunningServer
-from .helpers import LAST_ANSWER, ask, screenshot
+from .helpers import LAST_ANSWER, ask, screenshot, settled
 
 CONTEXT = 256
 # About 120 tokens: one question fits the context, two with an answer do not.
@@ -32,14 +32,8 @@ def small_context_server(
 
 
 async def answered(page: Any, n: int) -> None:
-    """Until ``n`` messages are shown, the last one finished, and no turn runs."""
-    await page.wait_for_function(
-        "n => document.querySelectorAll('li.msg').length === n"
-        " && document.querySelector('li.msg:last-child').dataset.finish"
-        " && document.body.dataset.turn === 'idle'",
-        arg=n,
-        timeout=300_000,
-    )
+    """``settled``, with room for this module's own server to answer on a busy machine."""
+    await settled(page, n, timeout_ms=300_000)
 
 
 async def marks(page: Any) -> list[bool]:
