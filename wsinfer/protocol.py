@@ -152,6 +152,10 @@ class ConnectionProtocol:
         # Roughly how many bytes the outbox will encode to: the adapter pauses
         # a connection's sources while its client is not reading.
         self.outbox_bytes = 0
+        # False: one message per delivered delta, live or replayed, never a run
+        # merged, so that a door numbering its events by count (the v2 stream,
+        # DJL's lines) numbers them as the log does, whatever the timing.
+        self.coalesce = True
 
     # --- input --------------------------------------------------------------------
 
@@ -370,7 +374,8 @@ class ConnectionProtocol:
                 self.outbox_bytes += _LOGPROB_BYTES * (1 + len(entry["top_logprobs"]))
 
     def data_to_send(self) -> list[Outgoing]:
-        messages, self._outbox = _coalesce(self._outbox), []
+        messages = _coalesce(self._outbox) if self.coalesce else self._outbox
+        self._outbox = []
         self.outbox_bytes = 0
         return [self._encode(m) for m in messages]
 

@@ -7,11 +7,13 @@ The dialect alone, without sockets, at the end."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -23,10 +25,11 @@ from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
 from tests.stack import start_serve, stop_serve
-from wsinfer.http.counted import DoorError, position_after, unmerged
+from wsinfer.http.counted import DoorError, position_after
 from wsinfer.http.oip import OipError, OipTurn, parse_infer_request
 from wsinfer.http.oip_routes import is_oip
 from wsinfer.http.openai import OpenAIError
+from wsinfer.http.peer import HttpPeer
 from wsinfer.messages import Limits
 from wsinfer.sessions.schema import DeltaEvent, DoneEvent
 
@@ -351,18 +354,20 @@ def test_only_v2_paths_leave_the_plain_routes() -> None:
     assert not is_oip("/healthz") and not is_oip("/v1/models")
 
 
-def test_a_merged_replay_is_split_into_the_logs_deltas() -> None:
-    events: list[Any] = [
-        DeltaEvent(1, "a"),
-        DeltaEvent(2, ""),
-        DeltaEvent(3, "b"),
-        DeltaEvent(4, "c"),
-    ]
-    merged: Any = {"type": "delta", "session": "s", "turn": 1, "seq": 4, "text": "bc"}
-    split = unmerged([merged], events, after=1)
-    assert [(m["seq"], m["text"]) for m in split] == [(3, "b"), (4, "c")]
-    odd: Any = {**merged, "text": "zz"}  # not what the log holds: kept whole
-    assert unmerged([odd], events, after=1) == [odd]
+def test_a_counted_peer_sends_each_delta_whole_when_live_ones_meet_a_replay() -> None:
+    """A live delta that reaches the peer before its replay is read is not merged
+    into it: the reader's count of events stays the log's count of deltas (a
+    merged one once made a later resume by count repeat text)."""
+    frontend = SimpleNamespace(config=SimpleNamespace(limits=Limits()), store=None)
+    peer = HttpPeer(cast(Any, frontend))
+    peer.protocol.coalesce = False
+    peer.protocol.follow("s", 1, after=1)
+    peer.protocol.replay("s", 1, [DeltaEvent(2, "b"), DeltaEvent(3, ""), DeltaEvent(4, "c")])
+    peer.on_events("s", 1)([DeltaEvent(5, "d"), DeltaEvent(4, "c")])  # (a repeat dropped)
+    sent = asyncio.run(peer.messages(0))
+    assert [(m["seq"], m["text"]) for m in sent if m["type"] == "delta"] == [
+        (2, "b"), (4, "c"), (5, "d"),
+    ]  # fmt: skip
 
 
 @pytest.mark.slow

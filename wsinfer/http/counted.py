@@ -4,8 +4,8 @@ Protocol's v2 stream (``oip_routes.py``) and DJL Serving's JSON lines (``djl_rou
 Their formats have no room for a token index, so a reader resumes by how many
 events (or lines) it has received. That count is a position in the session's
 log only if an event is always one of its text-bearing deltas: the peers these
-doors open never merge two deltas (``HttpPeer.merge``), live or on a replay,
-and ``position_after`` maps a count back to the ``seq`` a ``resume`` takes.
+doors open never merge two deltas (``ConnectionProtocol.coalesce``), live or on
+a replay, and ``position_after`` maps a count back to the ``seq`` a ``resume`` takes.
 
 Each turn is started and followed as the other HTTP doors do it (an
 ``HttpPeer``'s ``Handlers``): the limits, admission, backpressure and refusals
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from wsinfer.access import Denied, one_header
-from wsinfer.contract import DeltaMessage, ServerMessage, SessionMessage
+from wsinfer.contract import SessionMessage
 from wsinfer.handlers import to_protocol_error
 from wsinfer.http.connection import HttpRequest, HttpResponse
 from wsinfer.http.openai import SESSION_HEADER, TOKEN_HEADER, TURN_HEADER, OpenAIError
@@ -144,7 +144,7 @@ def position_after(events: list[TurnEvent], count: int, error: type[DoorError]) 
 
 def unmerged_peer(app: RouteHost) -> HttpPeer:
     peer = app.open_peer()
-    peer.merge = False
+    peer.protocol.coalesce = False
     return peer
 
 
@@ -171,36 +171,10 @@ async def rejoin(
     peer = unmerged_peer(app)
     try:
         await peer.handlers.handle(Resume(None, session, token, after, info.turn))
-        # The replay came merged into one delta: as many as the log has, numbered alike.
-        events, _ = await store.read_turn(session, info.turn)
     except BaseException:
         app.close_peer(peer)
         raise
-    peer.rewrite(lambda messages: unmerged(messages, events, after))
     return peer, info.turn
-
-
-def unmerged(
-    messages: list[ServerMessage], events: list[TurnEvent], after: int
-) -> list[ServerMessage]:
-    """Each delta of ``messages`` split into the text-bearing deltas of the log it
-    joins (the protocol merges a replay's); one the log does not explain is kept."""
-    out: list[ServerMessage] = []
-    last = after
-    for message in messages:
-        if message["type"] != "delta" or message.get("tool_calls"):
-            out.append(message)
-            continue
-        parts = [e for e in _texts(events) if last < e.seq <= message["seq"]]
-        last = message["seq"]
-        if len(parts) < 2 or "".join(e.text for e in parts) != message["text"]:
-            out.append(message)
-            continue
-        for part in parts:
-            split = cast(DeltaMessage, {k: v for k, v in message.items() if k != "logprobs"})
-            split["seq"], split["text"] = part.seq, part.text
-            out.append(split)
-    return out
 
 
 def _texts(events: list[TurnEvent]) -> list[DeltaEvent]:

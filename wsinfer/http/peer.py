@@ -63,22 +63,13 @@ class HttpPeer:
         # Never: a slow SSE reader holds one coalescing outbox (one turn, bounded by
         # its length) and the HTTP writer waits on the transport's own flow control.
         self.congested = False
-        # False: one message per delivered event, never two deltas merged, so that a
-        # door that numbers its events by count (the v2 stream, DJL's lines) numbers
-        # them the same live and on a replay from the log. Still one turn's messages.
-        self.merge = True
 
     def started_turn(self, session: str, turn: int) -> None:
         """Nothing to time here: time to first byte is the HTTP client's to measure."""
 
     def on_events(self, session: str, turn: int) -> Callable[[list[TurnEvent]], None]:
         def deliver(events: list[TurnEvent]) -> None:
-            if self.merge:
-                self.protocol.deliver(session, turn, events)
-            else:
-                for event in events:
-                    self.protocol.deliver(session, turn, [event])
-                    self._held += [o.message for o in self.protocol.data_to_send()]
+            self.protocol.deliver(session, turn, events)
             self._wakeup.set()
 
         return deliver
@@ -133,11 +124,6 @@ class HttpPeer:
                 self._held = [m for m in out if m is not first]
                 return first
         raise LookupError("the generate was not answered")
-
-    def rewrite(self, change: Callable[[list[ServerMessage]], list[ServerMessage]]) -> None:
-        """Pass what is queued now (a resume's replay, which the protocol hands over
-        merged) through ``change`` before it is read."""
-        self._held = change([*self._held, *(o.message for o in self.protocol.data_to_send())])
 
     def rejoined(self) -> tuple[SessionMessage, int]:
         """The ``session`` answer to the resume just handled, and the last seq of its
