@@ -28,6 +28,7 @@ from wsinfer.contract import (
     ClientMessageType,
     DeltaMessage,
     DoneMessage,
+    ErrorCode,
     ErrorMessage,
     ServerMessage,
     ServerMessageType,
@@ -225,6 +226,15 @@ class TurnState:
     following: bool = False
     # The I/O layer's object for this turn (the asyncio ``Turn``).
     handle: Any = None
+    # A ``continue`` not yet answered: the end it went on from (its seq, finish
+    # reason and usage), so that a refusal restores it and a replay after a
+    # reconnect tells whether the server applied it (``continued_end``).
+    continued: tuple[int, str | None, Usage | None] | None = None
+    # The seq of the ``done`` applied (past ``seq`` where its last tokens had no text).
+    end_seq: int = 0
+    # Sent again on a fresh connection: a ``conflict`` then means the first one
+    # was applied after all (a continue is applied once).
+    continue_repeated: bool = False
 
     @property
     def done(self) -> bool:
@@ -269,6 +279,29 @@ class TurnState:
         self.usage = None
         self.error = None
         self.requested.clear()
+
+    def start_continue(self) -> None:
+        """A ``continue`` goes out: the turn is followed again at once (queued),
+        so that a connection that drops before its answer re-joins it."""
+        self.continued = (self.end_seq, self.finish_reason, self.usage)
+        self.reopen()
+        self.status = TurnStatus.QUEUED
+
+    def undo_continue(self) -> None:
+        """The ``continue`` was refused: the turn ended as it had."""
+        if self.continued is not None:
+            self.end_seq, self.finish_reason, self.usage = self.continued
+            self.status = TurnStatus.DONE
+        self.continued = None
+        self.continue_repeated = False
+
+    def continued_end(self, msg: TurnMessage) -> bool:
+        """Whether ``msg`` is the very end an unanswered ``continue`` went on from,
+        replayed after a reconnect: that continue was lost with its connection."""
+        if self.continued is None or msg["type"] != ServerMessageType.DONE.value:
+            return False
+        seq, reason, _ = self.continued
+        return msg["seq"] <= seq and msg["finish_reason"] == reason
 
     def fail(self, exc: WsinferError) -> bool:
         """Give up on the turn; False if it had already ended."""
@@ -319,6 +352,7 @@ class TurnState:
 
     def _apply_done(self, msg: DoneMessage) -> TurnEnded:
         self.finish_reason = msg["finish_reason"] or "stop"
+        self.end_seq = msg["seq"]
         self.usage = usage_from_wire(msg["usage"])
         raw_error = msg.get("error")
         if self.finish_reason == "error" or raw_error:
@@ -415,6 +449,12 @@ class ClientProtocol:
         can be ``paused`` (a resume sent later would un-pause the turn), else
         before it (a follow sent first would un-pause a paused turn needlessly)."""
         spec = CLIENT_MESSAGES[kind]
+        if kind is ClientMessageType.CONTINUE:
+            if turn.continued is not None or not turn.done:
+                return  # one at a time, and only of an ended turn (else: conflict)
+            turn.start_continue()
+            turn.following = False  # forgotten when it ended: no feed of it here
+            self._register(turn)
         if spec.rejoins:
             turn.requested.pop(ClientMessageType.PAUSE.value, None)
             if self.connected:
@@ -522,6 +562,13 @@ class ClientProtocol:
         turn = self.turns.get(msg["session"])
         if turn is None or self._restarting(turn):
             return []
+        if turn.continued_end(msg):  # the continue was lost with its connection: again
+            turn.continue_repeated = True
+            turn.following = False
+            self._follow(turn, None, ClientMessageType.CONTINUE)
+            return []
+        if turn.continued is not None and msg["seq"] > turn.continued[0]:
+            turn.continued, turn.continue_repeated = None, False  # it was applied
         event = turn.apply(msg)
         if turn.finished:
             self._forget(turn)
@@ -545,6 +592,13 @@ class ClientProtocol:
             return []
         if turn.turn < 0:
             turn.turn = msg["turn"]  # joined without knowing the turn: adopt it
+        ended = msg.get("status") == TurnStatus.DONE.value
+        if pending.kind == ClientMessageType.CONTINUE.value and ended:
+            turn.undo_continue()  # not applied: the turn stays as it ended
+            self._forget(turn)
+            return []
+        if pending.kind == ClientMessageType.CONTINUE.value or not ended:
+            turn.continued, turn.continue_repeated = None, False  # it went on
         if turn.done and msg.get("status") != TurnStatus.DONE.value:
             turn.reopen()  # it went on past the done we saw (a continue)
             self._register(turn)
@@ -557,6 +611,17 @@ class ClientProtocol:
             pending = self.pending.pop(msg["id"], None)  # type: ignore[arg-type]
             if pending is None:
                 return []
+            turn = pending.turn
+            if pending.kind == ClientMessageType.CONTINUE.value and turn is not None:
+                if turn.continue_repeated and exc.code == ErrorCode.CONFLICT.value:
+                    # The first one was applied after all: follow what it started.
+                    turn.continued, turn.continue_repeated = None, False
+                    turn.following = False
+                    self._follow(turn, pending.waiter)
+                    return []
+                turn.undo_continue()  # refused: the turn ended as it had
+                self._forget(turn)
+                return [RequestFailed(pending.kind, pending.waiter, exc)]
             events: list[ClientEvent] = [RequestFailed(pending.kind, pending.waiter, exc)]
             # A refused resume leaves the turn unreachable; a refused stop or
             # pause is its caller's problem only.

@@ -142,6 +142,11 @@ export class WsinferTurn extends EventTarget {
     // With params.tools: each call received by this page, in order.
     this.toolCalls = [];
     this._wakers = [];
+    this._endSeq = 0; // the seq of the `done` applied (past `seq` if its last tokens had no text)
+    // A `continue` not yet answered: the end it went on from, so that a refusal
+    // restores it and a replay after a reconnect tells whether it was applied.
+    this._continued = null;
+    this._continueRepeated = false; // sent again on a fresh connection
     this.finished = new Promise((resolve, reject) => {
       this._resolve = resolve;
       this._reject = reject;
@@ -190,7 +195,35 @@ export class WsinferTurn extends EventTarget {
    * the same turn goes on (status queued, then deltas), and `finished` is a new
    * promise for its next `done`. Anything else is refused (an `error` event). */
   continue() {
-    if (this.status === TurnStatus.DONE) this.control(Send.CONTINUE);
+    if (this.status !== TurnStatus.DONE || this._continued) return;
+    // Followed again at once (queued), so that a connection that drops before
+    // the answer re-joins the turn: the Python client's rule too.
+    this._continued = { seq: this._endSeq, finishReason: this.finishReason, usage: this.usage };
+    this._reopen(TurnStatus.QUEUED);
+    this.control(Send.CONTINUE);
+  }
+
+  /** The `continue` was refused: the turn ended as it had. */
+  _undoContinue() {
+    const end = this._continued;
+    this._continued = null;
+    this._continueRepeated = false;
+    if (!end || this.status === FAILED) return;
+    Object.assign(this, { status: TurnStatus.DONE, finishReason: end.finishReason, usage: end.usage, _endSeq: end.seq });
+    this._resolve({ text: this.text, seq: this.seq, finishReason: end.finishReason, usage: end.usage });
+    this._wake();
+  }
+
+  /** Whether `msg` is the very end an unanswered `continue` went on from,
+   * replayed after a reconnect: that continue was lost with its connection. */
+  _continuedEnd(msg) {
+    const end = this._continued;
+    return end !== null && msg.seq <= end.seq && msg.finish_reason === end.finishReason;
+  }
+
+  /** An event past the end a `continue` went on from: the server applied it. */
+  _passed(seq) {
+    if (this._continued && seq > this._continued.seq) this._continued = null;
   }
 
   _reopen(status) {
@@ -258,6 +291,7 @@ export class WsinferTurn extends EventTarget {
     if (!this.active) return;
     this.finishReason = msg.finish_reason ?? null;
     this.usage = msg.usage ?? null;
+    this._endSeq = msg.seq ?? this.seq;
     if (this.finishReason === FinishReason.ERROR) {
       const err = msg.error || {};
       this._fail(new WsinferError(err.code || ErrorCode.INTERNAL, err.message, { session: msg.session }), msg);
@@ -525,7 +559,8 @@ export class WsinferClient extends EventTarget {
     // controls are re-sent, resume is rebuilt from the current seq on open.
     for (const [id, p] of this._pending) {
       if (this._queue.includes(p.msg)) continue; // never sent: goes out as it is
-      if (p.type === Send.RESUME || !p.turn.active) this._pending.delete(id);
+      // A resume (or a continue: its turn is followed again) is rebuilt on open.
+      if (CLIENT_MESSAGES[p.type]?.rejoins || !p.turn.active) this._pending.delete(id);
       else this._queue.push(p.msg); // unanswered (its answer may be lost): ask again
     }
     if (this.state === "closed") return;
@@ -588,6 +623,14 @@ export class WsinferClient extends EventTarget {
     if (p.type !== Send.GENERATE) {
       // A resume answered with the turn's status; its replay follows.
       turn._refused = false;
+      if (p.type === Send.CONTINUE && msg.status === TurnStatus.DONE) {
+        turn._undoContinue(); // not applied: the turn stays as it ended
+        return;
+      }
+      if (p.type === Send.CONTINUE || (msg.status && msg.status !== TurnStatus.DONE)) {
+        turn._continued = null; // it went on
+        turn._continueRepeated = false;
+      }
       if (msg.status && turn.active && msg.status !== TurnStatus.DONE) turn.status = msg.status;
       // A done turn that went on (a continue): followed again until its next done.
       else if (msg.status && msg.status !== TurnStatus.DONE && turn.status === TurnStatus.DONE) turn._reopen(msg.status);
@@ -632,6 +675,7 @@ export class WsinferClient extends EventTarget {
   _on_delta(msg) {
     const turn = this._turnFor(msg);
     if (!turn || !turn.active || this._restarting(turn)) return;
+    turn._passed(msg.seq);
     if (turn._applyDelta(msg.seq, msg.text, msg.logprobs, msg.tool_calls)) this._save();
   }
 
@@ -646,6 +690,13 @@ export class WsinferClient extends EventTarget {
   _on_done(msg) {
     const turn = this._turnFor(msg);
     if (!turn || this._restarting(turn)) return;
+    if (turn._continuedEnd(msg)) {
+      // The continue was lost with its connection: ask again.
+      turn._continueRepeated = true;
+      this._resumeTurn(turn, false, Send.CONTINUE);
+      return;
+    }
+    turn._passed(msg.seq);
     this._settle(turn, [Send.PAUSE, Send.STOP]);
     turn._finish(msg);
     this._save();
@@ -657,7 +708,15 @@ export class WsinferClient extends EventTarget {
     if (p) this._pending.delete(msg.id);
     if (!p) return this._dispatchClientError(error);
     const turn = p.turn;
-    if (p.type === Send.GENERATE) {
+    if (p.type === Send.CONTINUE && turn._continueRepeated && error.code === ErrorCode.CONFLICT) {
+      // The first one was applied after all (a continue is applied once): follow it.
+      turn._continued = null;
+      turn._continueRepeated = false;
+      this._resumeTurn(turn);
+    } else if (p.type === Send.CONTINUE) {
+      turn._undoContinue();
+      turn._warn(error);
+    } else if (p.type === Send.GENERATE) {
       turn._fail(error);
     } else if (p.type === Send.RESUME && error.code === ErrorCode.NOT_FOUND) {
       this.session = this.sessionToken = null; // expired or closed: start afresh next time

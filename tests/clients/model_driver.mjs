@@ -86,6 +86,9 @@ const commands = {
   resume() {
     turn.resume();
   },
+  continue() {
+    turn.continue();
+  },
   tick() {
     runTimers();
   },

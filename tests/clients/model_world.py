@@ -48,6 +48,7 @@ class ClientUnderTest(Protocol):
     def drop(self) -> None: ...
     def receive(self, msg: Message) -> list[Message]: ...
     def resume(self) -> list[Message]: ...
+    def continue_(self) -> list[Message]: ...
     def tick(self) -> list[Message]: ...
     def state(self) -> dict[str, Any]: ...
 
@@ -72,6 +73,10 @@ class ModelServer:
     keys: set[str] = field(default_factory=set)
     conn: Connection | None = None
     refuse_next_resume: bool = False
+    # ``continue``s applied, and the log's length when the turn last ended: a
+    # continued turn draws at least one token before it ends again.
+    continues: int = 0
+    ended_at: int = 0
 
     def text(self, upto: int) -> str:
         return "".join(self.log[:upto])
@@ -84,6 +89,8 @@ class ModelServer:
             self._generate(msg)
         elif kind == "resume":
             self._resume(msg)
+        elif kind == "continue":
+            self._continue(msg)
         else:
             raise AssertionError(f"the model does not expect {kind}")
 
@@ -113,6 +120,23 @@ class ModelServer:
             return
         self._answer(msg["id"])
         self._attach(int(msg.get("after", 0)))
+
+    def _continue(self, msg: Message) -> None:
+        """Extend the ended turn, once (docs/protocol.md): a ``continue`` of a turn
+        that has not ended is ``conflict``, and changes nothing."""
+        assert msg["session"] == SESSION and msg["token"] == TOKEN
+        if not self.finished:
+            error = {"type": "error", "code": "conflict", "message": "not ended", "id": msg["id"]}
+            self._send({**error, "session": SESSION})
+            return
+        self.finished = False
+        self.continues += 1
+        self._answer(msg["id"])
+        self._attach(int(msg.get("after", 0)))
+
+    def finish(self) -> None:
+        self.finished = True
+        self.ended_at = len(self.log)
 
     def _answer(self, msg_id: Any) -> None:
         status = "done" if self.finished else "running"
@@ -207,6 +231,11 @@ class PythonClient:
             self.core.control(self.turn, ClientMessageType.RESUME)
         return self.core.data_to_send()
 
+    def continue_(self) -> list[Message]:
+        assert self.turn is not None
+        self.core.control(self.turn, ClientMessageType.CONTINUE)
+        return self.core.data_to_send()
+
     def tick(self) -> list[Message]:
         return []
 
@@ -264,6 +293,9 @@ class NodeClient:
 
     def resume(self) -> list[Message]:
         return self._call("resume")
+
+    def continue_(self) -> list[Message]:
+        return self._call("continue")
 
     def tick(self) -> list[Message]:
         return self._call("tick")

@@ -58,6 +58,7 @@ class ClientModel(RuleBasedStateMachine):
         self.server = ModelServer()
         self.client = self.make_client()
         self.tokens = 0
+        self.continues = 0  # asked for by the application
         assert self.client.start() == []  # nothing goes out before a connection
         counts["orders"] += 1
 
@@ -76,10 +77,12 @@ class ClientModel(RuleBasedStateMachine):
             self.tokens += 1
             self.server.log.append("" if hold else f"<{self.tokens}>")
 
-    @precondition(lambda self: self.server.log and not self.server.finished)
+    @precondition(
+        lambda self: len(self.server.log) > self.server.ended_at and not self.server.finished
+    )
     @rule()
     def engine_finishes(self) -> None:
-        self.server.finished = True
+        self.server.finish()
 
     # --- the server -------------------------------------------------------------
 
@@ -133,6 +136,13 @@ class ClientModel(RuleBasedStateMachine):
     def application_resumes(self) -> None:
         self._send(self.client.resume())
 
+    @precondition(lambda self: self.client.state()["done"])
+    @rule()
+    def application_continues(self) -> None:
+        self.continues += 1
+        self._send(self.client.continue_())
+        counts["continues"] += 1
+
     @rule()
     def timers_fire(self) -> None:
         self._send(self.client.tick())
@@ -146,13 +156,17 @@ class ClientModel(RuleBasedStateMachine):
         assert state["seq"] <= len(self.server.log)
         assert state["text"] == self.server.text(state["seq"]), "lost or repeated text"
         assert state["app_text"] == state["text"], "the application was handed other text"
+        assert self.server.continues <= self.continues, "a continue was applied twice"
 
     def teardown(self) -> None:
         """Left alone, the client gets the whole turn."""
         if not hasattr(self, "server"):
             return
-        self.server.finished = self.server.finished or bool(self.server.log)
         for _ in range(20):
+            if self.server.log and not self.server.finished:
+                if len(self.server.log) == self.server.ended_at:  # continued, nothing drawn
+                    self.engine_appends([False])
+                self.server.finish()
             state = self.client.state()
             if state["done"] or state["failed"] or not self.server.log:
                 break
@@ -161,6 +175,7 @@ class ClientModel(RuleBasedStateMachine):
         if self.server.log and not state["failed"]:
             assert state["done"], "the turn never ended here"
             assert state["text"] == self.server.text(len(self.server.log))
+            assert self.server.continues == self.continues, "a continue was lost"
 
     def _settle(self) -> None:
         if self.server.conn is None:
@@ -195,7 +210,7 @@ def report(request: pytest.FixtureRequest) -> Iterator[None]:
     took = time.monotonic() - began
     print(
         f"\n{request.node.name}: {counts['orders']} orders, {counts['checks']} checked steps,"
-        f" {counts['connects']} connections, {took:.1f} s"
+        f" {counts['connects']} connections, {counts['continues']} continues, {took:.1f} s"
     )
 
 

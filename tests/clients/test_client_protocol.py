@@ -262,6 +262,69 @@ def test_a_refused_resume_fails_the_turn() -> None:
     assert turn.finished and "s9" not in core.turns
 
 
+def _ended_by_length(core: ClientProtocol) -> TurnState:
+    turn = _started(core, core.generate("caller", prompt="hi"))
+    core.data_to_send()
+    core.receive({"type": "delta", "session": "s1", "turn": 1, "seq": 2, "text": "ab"})
+    done = {"type": "done", "session": "s1", "turn": 1, "seq": 3, "finish_reason": "length"}
+    core.receive({**done, "usage": {"completion_tokens": 3}})
+    assert turn.done and "s1" not in core.turns
+    return turn
+
+
+def _replayed_end(seq: int = 3) -> dict[str, Any]:
+    done = {"type": "done", "session": "s1", "turn": 1, "seq": seq, "finish_reason": "length"}
+    return {**done, "usage": {"completion_tokens": seq}}
+
+
+def test_a_continue_lost_with_its_connection_is_sent_again_after_the_replay_says_so() -> None:
+    core = ClientProtocol()
+    core.connection_made()
+    turn = _ended_by_length(core)
+    core.control(turn, ClientMessageType.CONTINUE, "ack")
+    assert [m["type"] for m in core.data_to_send()] == ["continue"]
+    assert turn.live and not turn.done  # followed again at once
+    core.connection_lost()
+    [resume] = core.connection_made()  # re-joined: not a blind second continue
+    assert (resume["type"], resume["after"]) == ("resume", 2)
+    core.receive({"type": "session", "id": resume["id"], "session": "s1", "token": "k1",
+                  "turn": 1, "status": "done"})  # fmt: skip
+    assert core.receive(_replayed_end()) == []  # the very end it went on from: not applied
+    [again] = core.data_to_send()
+    assert again["type"] == "continue" and not turn.done
+    # A conflict now means the first was applied meanwhile: follow the turn.
+    assert core.receive({"type": "error", "id": again["id"], "code": "conflict"}) == []
+    [follow] = core.data_to_send()
+    assert follow["type"] == "resume" and turn.continued is None
+
+
+def test_a_continue_applied_before_the_drop_is_not_applied_twice() -> None:
+    core = ClientProtocol()
+    core.connection_made()
+    turn = _ended_by_length(core)
+    core.control(turn, ClientMessageType.CONTINUE, "ack")
+    core.data_to_send()
+    core.connection_lost()
+    [resume] = core.connection_made()
+    core.receive({"type": "session", "id": resume["id"], "session": "s1", "token": "k1",
+                  "turn": 1, "status": "done"})  # fmt: skip
+    core.receive({"type": "delta", "session": "s1", "turn": 1, "seq": 5, "text": "cd"})
+    core.receive(_replayed_end(6))  # applied, and finished while we were away
+    assert core.data_to_send() == [] and turn.done and turn.text == "abcd"
+
+
+def test_a_refused_continue_leaves_the_turn_as_it_ended() -> None:
+    core = ClientProtocol()
+    core.connection_made()
+    turn = _ended_by_length(core)
+    core.control(turn, ClientMessageType.CONTINUE, "ack")
+    [sent] = core.data_to_send()
+    [refused] = core.receive({"type": "error", "id": sent["id"], "code": "conflict"})
+    assert isinstance(refused, RequestFailed) and refused.waiter == "ack"
+    assert turn.done and turn.finish_reason == "length" and turn.status is TurnStatus.DONE
+    assert not turn.live and turn.failure is None and not core.wants_connection()
+
+
 def test_close_is_kept_until_it_can_be_sent() -> None:
     core = ClientProtocol()
     core.tokens["s1"] = "k"
