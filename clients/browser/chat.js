@@ -332,13 +332,8 @@ function makeClient(id) {
     c.addEventListener(state, () => { if (c === client) keys.check(); });
   }
   c.addEventListener("error", (e) => { if (c === client) showError(e.error); });
-  // A Continue sent on a connection that dropped before its answer is not sent
-  // again (the turn is an ended one here): settle the answer and say so.
-  c.addEventListener("closed", () => {
-    if (c !== client || !continueUnanswered(turn)) return;
-    continueSettled();
-    showNotice("The connection dropped before the server answered Continue: press Continue again.");
-  });
+  // (A Continue whose connection drops before its answer is the client's to
+  // settle: it re-joins the turn and asks again only if the server never had it.)
   return c;
 }
 
@@ -417,7 +412,7 @@ function listen(t) {
   t.addEventListener("done", (e) => { if (t === turn) finishTurn(e.detail); });
   t.addEventListener("error", (e) => {
     if (t !== turn) return;
-    if (continueUnanswered(t)) { continueInNewTurn(`The server could not extend this answer in place (${e.error.code})`); return; }
+    if (continueRefused(t)) { continueInNewTurn(`The server could not extend this answer in place (${e.error.code})`); return; }
     if (e.fatal && outgrown(t, e.error)) return;
     showError(e.error);
     if (e.fatal) failTurn(e.error);
@@ -485,9 +480,9 @@ function continueAnswer() {
   updateControls();
 }
 
-// Continue sent, not answered yet: the turn is still the ended one. (An error
-// now is its refusal.)
-function continueUnanswered(t) {
+// Continue refused: the client has put the turn back as it ended (an error
+// event while the answer's view is reopened for it is that refusal).
+function continueRefused(t) {
   return Boolean(t && view && view.continues != null && t.status === "done");
 }
 
@@ -515,7 +510,7 @@ function endView(finish) {
 /** The message a turn leaves in the conversation, with its place on the server. */
 function answerMessage(content, extra) {
   const m = { role: "assistant", content, ...extra };
-  if (turn && turn.turn != null) Object.assign(m, { session: client.session, turn: turn.turn });
+  if (turn && turn.turn != null) Object.assign(m, { session: client.session, turn: turn.turn, seq: turn.seq });
   const shown = view && view.continues != null ? conv.messages[view.continues] : null;
   if (shown && shown.versions) Object.assign(m, { versions: shown.versions, at: shown.at });
   if (conv.pending) Object.assign(m, conv.pending);

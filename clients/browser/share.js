@@ -129,14 +129,27 @@ export function sharing(page) {
     catchingUp = true;
     try {
       const info = await sessionInfo(c.session, c.sessionToken);
-      if (!info || c !== page.client || busy() || !(info.turn > conv.lastTurn)) return;
-      if (conv.messages.at(-1)?.role !== "user") conv.messages.push({ role: "user", content: "", remote: true });
-      conv.lastTurn += 1;
+      if (!info || c !== page.client || busy()) return;
+      if (info.turn > conv.lastTurn) {
+        if (conv.messages.at(-1)?.role !== "user") conv.messages.push({ role: "user", content: "", remote: true });
+        conv.lastTurn += 1;
+      } else if (!continuedElsewhere(conv.messages.at(-1), c.session, info)) {
+        return;
+      }
+      // (A continued answer is replayed whole into its own place: chat.js reopenView.)
       followIn(conv.id, c.session, c.sessionToken, conv.lastTurn, info.status === "paused" && info.turn === conv.lastTurn);
       page.refollow();
     } finally {
       catchingUp = false;
     }
+  }
+
+  /** Whether the shown last answer `m`, cut by the token limit, went on since
+   * (a Continue on another device): its turn runs again, or has more tokens. */
+  function continuedElsewhere(m, session, info) {
+    if (!m || m.role !== "assistant" || m.finish !== "length" || m.session !== session) return false;
+    if (m.turn !== info.turn || info.turn !== page.conv.lastTurn) return false;
+    return info.status !== "done" || (m.seq != null && info.seq > m.seq);
   }
 
   return { openShare, copyLink, importLink, catchUp };

@@ -116,3 +116,45 @@ async def test_second_device_follows_mid_answer_and_goes_on(
     )
     assert texts == [first, second, third]
     await screenshot(phone, "follow-phone-after-desk-390-dark")
+
+
+async def settled_with(page: Any, messages: int, text_longer_than: int) -> str:
+    """Until ``messages`` are shown, none streaming, the last one cut again and
+    longer than before: its text."""
+    await page.wait_for_function(
+        "([n, longer]) => { const m = document.querySelector('li.msg:last-child');"
+        " return document.querySelectorAll('li.msg').length === n"
+        " && !document.querySelector('li.msg.streaming') && m.dataset.finish === 'length'"
+        " && m.querySelector('.content').source.length > longer; }",
+        arg=[messages, text_longer_than],
+        timeout=300_000,
+    )
+    return await answer_text(page)
+
+
+@pytest.mark.slow
+async def test_a_continue_on_one_device_is_followed_on_the_other(
+    devices: Any, wsinfer_server: RunningServer
+) -> None:
+    desk = await devices(1280, 800)
+    phone = await devices(390, 844, "dark")
+    await desk.goto(wsinfer_server.http_url + "/?max_new_tokens=8&temperature=0")
+    await ask(desk, "Count to a hundred.")
+    assert await wait_done(desk) == "length"
+    cut = await answer_text(desk)
+    link = await share_link(desk)
+    await desk.click("#share-dialog button[value=close]")
+
+    await phone.goto(link)
+    assert await wait_done(phone) == "length"
+    assert await answer_text(phone) == cut
+    await phone.click(f"{LAST_ANSWER} .continue")  # the same turn goes on, on the phone
+    longer = await settled_with(phone, 2, len(cut))
+    assert longer.startswith(cut)
+
+    # Back on the desk (the page gets the focus): the answer it shows went on
+    # elsewhere, so it follows that turn again, into the same place.
+    await desk.evaluate("window.dispatchEvent(new Event('focus'))")
+    assert await settled_with(desk, 2, len(cut)) == longer
+    assert await desk.locator("li.msg").count() == 2
+    await screenshot(desk, "follow-desk-after-phone-continue-1280-light")

@@ -70,6 +70,7 @@ def word_text(seq: int) -> str:
 class StandInTurn:
     number: int
     limit: int
+    budget: int = 0  # tokens a ``continue`` adds
     fail: bool = False
     events: list[dict[str, Any]] = field(default_factory=list)
     seq: int = 0
@@ -122,6 +123,9 @@ class StandIn:
         self.refuse_generate: dict[str, Any] | None = None  # the next generate's error
         self.replay_overlap = 0  # on resume, resend this many deltas the client has
         self.duplicate_deltas = False
+        # Whether it takes ``continue``; else it refuses it as a server older than
+        # that message does (an unknown type).
+        self.continues = False
         self.echo_ids = True
         self.pieces: list[str] | None = None  # every turn's deltas, instead of "w1 w2 ..."
         self.connections = 0
@@ -221,7 +225,8 @@ class StandIn:
     def new_turn(self, session: StandInSession, msg: dict[str, Any]) -> StandInTurn:
         params = msg.get("params") or {}
         limit = int(params.get("max_new_tokens", self.default_tokens))
-        turn = StandInTurn(len(session.turns) + 1, len(self.pieces) if self.pieces else limit)
+        length = len(self.pieces) if self.pieces else limit
+        turn = StandInTurn(len(session.turns) + 1, length, budget=limit)
         turn.fail = (msg.get("prompt") or _last_content(msg)) == "FAIL"
         turn.unpaused.set()
         session.turns.append(turn)
@@ -237,7 +242,8 @@ class StandIn:
             if turn.paused or turn.want_stop:
                 continue
             turn.seq += 1
-            text = self.pieces[turn.seq - 1] if self.pieces else word_text(turn.seq)
+            pieces = self.pieces or []
+            text = pieces[turn.seq - 1] if turn.seq <= len(pieces) else word_text(turn.seq)
             turn.push({"type": "delta", "seq": turn.seq, "text": text})
         turn.finished = True
         turn.paused = False
@@ -293,12 +299,14 @@ class StandInConn:
         kind = msg.get("type")
         if kind == "generate":
             await self.on_generate(msg)
-        elif kind in ("stop", "pause", "resume", "close"):
+        elif kind in ("stop", "pause", "resume", "close") or (
+            kind == "continue" and self.server.continues
+        ):
             session = self.server.sessions.get(msg.get("session", ""))
             if session is None or session.token != msg.get("token"):
                 await self.error(msg, "not_found", "no such session", session=msg.get("session"))
                 return
-            await getattr(self, f"on_{kind}")(msg, session)
+            await getattr(self, f"on_{kind}")(msg, session)  # (on_continue)
         else:
             await self.error(msg, "bad_request", f"unknown type {kind!r}")
 
@@ -397,6 +405,19 @@ class StandInConn:
             status = "queued"  # as the server says of a resumed paused turn
         after = max(0, int(msg.get("after", 0)) - self.server.replay_overlap)
         await self.answer(msg, session, turn, after=after, status=status)
+
+    async def on_continue(self, msg: dict[str, Any], session: StandInSession) -> None:
+        """Extend the latest turn, ended by length, by its budget again; answered
+        as a resume. Its replay leaves out the ``done`` it went on past."""
+        turn = session.turns[-1]
+        ended = turn.events[-1] if turn.finished and turn.events else {}
+        if ended.get("finish_reason") != "length" or msg.get("turn", turn.number) != turn.number:
+            await self.error(msg, "conflict", "not a turn ended by length", session=session.sid)
+            return
+        turn.events.pop()
+        turn.finished, turn.limit = False, turn.seq + turn.budget
+        self.server.spawn(self.server._generate(turn))
+        await self.answer(msg, session, turn, after=int(msg.get("after", 0)), status="queued")
 
     async def on_close(self, msg: dict[str, Any], session: StandInSession) -> None:
         for turn in session.turns:
