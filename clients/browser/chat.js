@@ -293,6 +293,8 @@ function showError(error) {
   if (error.code === "bad_request" && error.message) text += `: ${error.message}`;
   if (error.retryAfter != null) text += ` Try again in ${Math.ceil(error.retryAfter)} s.`;
   els.error.dataset.code = error.code || "";
+  els.error.dataset.kind = "error";
+  els.error.setAttribute("role", "alert");
   els.error.textContent = `${text} (${error.code})`;
   els.error.hidden = false;
 }
@@ -691,8 +693,11 @@ function refollow() {
   scrollToEnd(true);
 }
 
+/** Something the person should know that is no failure: said, not in red. */
 function showNotice(text) {
   els.error.dataset.code = "";
+  els.error.dataset.kind = "notice";
+  els.error.setAttribute("role", "status");
   els.error.textContent = text;
   els.error.hidden = false;
 }

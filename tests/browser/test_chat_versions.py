@@ -73,6 +73,12 @@ async def test_a_cut_answer_is_marked_and_continues(
     assert asked["messages"] == [{"role": "user", "content": "Continue"}]
     notice = await page.text_content("#error") or ""
     assert "could not extend this answer in place" in notice and "new message" in notice
+    # Information, not a failure: in the page's own colours, read out politely.
+    look = await page.eval_on_selector(
+        "#error", "e => [getComputedStyle(e).color, e.getAttribute('role'), e.dataset.kind]"
+    )
+    body = await page.evaluate("getComputedStyle(document.body).color")
+    assert look == [body, "status", "notice"] and body != "rgb(179, 38, 30)"
     await screenshot(page, "continue-refused")
     assert await page.locator(".continue:visible").count() == 1  # the last answer's only
     await page.reload()
