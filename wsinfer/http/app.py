@@ -60,6 +60,7 @@ from wsinfer.http.openai import (
 from wsinfer.http.peer import CONTROL_WAIT_S, KEEPALIVE_S, HttpPeer
 from wsinfer.http.responses import loggable
 from wsinfer.http.responses_routes import ResponsesRoutes
+from wsinfer.http.session_history import session_messages
 from wsinfer.http.tgi_routes import TgiRoutes, is_tgi
 from wsinfer.messages import Resume, SessionCommand
 
@@ -93,6 +94,7 @@ class HttpApp:
                 {"GET": self.info, "DELETE": self.delete},
             ),
             (re.compile(r"/v1/sessions/(?P<session>\w+)/stream"), {"GET": self.stream}),
+            (re.compile(r"/v1/sessions/(?P<session>\w+)/messages"), {"GET": self.messages}),
             (
                 re.compile(rf"/v1/sessions/(?P<session>\w+)/(?P<action>{_CONTROLS})"),
                 {"POST": self.control},
@@ -348,6 +350,13 @@ class HttpApp:
     async def info(self, request: HttpRequest, session: str) -> HttpResponse:
         info = await self.frontend.store.info(session, _session_token(request))
         return HttpResponse.json(200, _info_body(info.session, info.turn, info.status, info.seq))
+
+    async def messages(self, request: HttpRequest, session: str) -> HttpResponse:
+        after = request.query.get("after_turn", "0")
+        if not (after.isascii() and after.isdigit() and len(after) <= 9):
+            raise bad_request("after_turn must be a non-negative integer", param="after_turn")
+        store, token = self.frontend.store, _session_token(request)
+        return HttpResponse.json(200, await session_messages(store, session, token, int(after)))
 
     async def delete(self, request: HttpRequest, session: str) -> HttpResponse:
         await self.close_session(session, _session_token(request))
