@@ -102,7 +102,9 @@ function actionButton(label, name, onClick) {
   return b;
 }
 
-const REMOTE_QUESTION = "A question asked on another device. The server sends answers back, not questions, so only its answer is shown here.";
+// A question asked on another device, which the server did not give back (one
+// without GET /v1/sessions/{id}/messages); one it gave back is shown, marked.
+const REMOTE_QUESTION = "A question asked on another device. This server does not give questions back, so only its answer is shown here.";
 
 /** One message of the log; `index` is its place in conv.messages (for its versions). */
 function renderMessage(m, index = null) {
@@ -119,6 +121,7 @@ function renderMessage(m, index = null) {
     body.textContent = m.remote ? m.remote === true ? REMOTE_QUESTION : m.remote : m.content;
     body.source = m.content;
     if (m.remote) li.classList.add("remote");
+    if (m.elsewhere) { li.classList.add("elsewhere"); li.title = "Asked on another device"; }
   } else renderMarkdown(body, m.content);
   const noteEl = document.createElement("span");
   noteEl.className = "note";

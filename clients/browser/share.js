@@ -103,15 +103,24 @@ export function sharing(page) {
     return { id: c.id };
   }
 
-  async function sessionInfo(session, token) {
+  /** GET /v1/sessions/{session}{path} (docs/protocol.md "Sessions"), or null. */
+  async function sessionGet(session, token, path = "") {
     const headers = { "X-Wsinfer-Token": token };
     if (page.apiKey) headers.Authorization = `Bearer ${page.apiKey}`;
     try {
-      const r = await fetch(`/v1/sessions/${encodeURIComponent(session)}`, { headers, cache: "no-store" });
+      const r = await fetch(`/v1/sessions/${encodeURIComponent(session)}${path}`, { headers, cache: "no-store" });
       return r.ok ? await r.json() : null;
     } catch {
       return null;
     }
+  }
+
+  /** The question turn `n` asked (its request's last user message), if the server has it. */
+  async function questionOf(session, token, n) {
+    const history = await sessionGet(session, token, `/messages?after_turn=${n - 1}`);
+    const asked = history?.turns?.[0]?.turn === n ? history.turns[0].messages : null;
+    const question = Array.isArray(asked) ? asked.findLast((m) => m.role === "user") : null;
+    return typeof question?.content === "string" ? question.content : null;
   }
 
   let catchingUp = false;
@@ -119,8 +128,9 @@ export function sharing(page) {
 
   /**
    * Turns of this session that another device started: follow the next one
-   * (its answer replayed, then live). The server gives answers back, not
-   * questions, so such a question shows as asked elsewhere.
+   * (its answer replayed, then live), its question read back from the server
+   * (GET /v1/sessions/{id}/messages; a server without that route: shown as
+   * asked elsewhere).
    */
   async function catchUp() {
     const c = page.client;
@@ -128,10 +138,14 @@ export function sharing(page) {
     if (catchingUp || !c || !c.session || busy() || conv.lastSession !== c.session || conv.lastTurn == null || !page.pathIsSession()) return;
     catchingUp = true;
     try {
-      const info = await sessionInfo(c.session, c.sessionToken);
+      const info = await sessionGet(c.session, c.sessionToken);
       if (!info || c !== page.client || busy()) return;
       if (info.turn > conv.lastTurn) {
-        if (conv.messages.at(-1)?.role !== "user") conv.messages.push({ role: "user", content: "", remote: true });
+        const question = await questionOf(c.session, c.sessionToken, conv.lastTurn + 1);
+        if (c !== page.client || busy()) return;
+        if (conv.messages.at(-1)?.role !== "user") {
+          conv.messages.push(question != null ? { role: "user", content: question, elsewhere: true } : { role: "user", content: "", remote: true });
+        }
         conv.lastTurn += 1;
       } else if (!continuedElsewhere(conv.messages.at(-1), c.session, info)) {
         return;

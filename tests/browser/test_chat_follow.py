@@ -97,11 +97,13 @@ async def test_second_device_follows_mid_answer_and_goes_on(
     await wait_messages(phone, 4)
     second = await answer_text(phone)
     assert await phone.evaluate("window.wsinferChat.client.session") == session
-    # The desk sees that answer after a reload (the question: see REMOTE_QUESTION).
+    # The desk sees that question and answer after a reload (the question read
+    # back from GET /v1/sessions/{id}/messages, marked as asked elsewhere).
     await desk.reload()
     await wait_messages(desk, 4)
     assert await answer_text(desk) == second
-    assert await desk.locator("li.msg.user.remote").count() == 1
+    assert await desk.text_content("li.msg.user.elsewhere .content") == "And HTTP?"
+    assert await desk.locator("li.msg.user.remote").count() == 0
     await screenshot(desk, "follow-desk-after-phone-1280-light")
 
     # And the desk can go on too; the phone sees it once it reloads.
