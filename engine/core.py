@@ -311,7 +311,7 @@ class EngineCore(CoreBase):
         logprobs = HostLogprobs(launch.logprobs) if launch.logprobs is not None else None
         outputs = []
         for seq, i in rows:
-            if self._seqs.get(seq.id) is seq:  # not ended or aborted since the launch
+            if not seq.status.ended:  # not ended or aborted since the launch
                 self.scheduler.token_received(seq)
                 params = seq.request.params
                 lp = None

@@ -31,6 +31,7 @@ from .lifecycle import CoreBase, EngineConfig, RequestOutput, Sequence
 from .logprobs import HostLogprobs, LogprobBuffers, host_copy, model_logprobs
 from .model import LoadedModel
 from .prefill import PrefillGroup, new_group, prefill_chunk
+from .requests import SequenceStatus
 from .sampler import sample
 from .sampling import RowSampling, to_device
 
@@ -116,7 +117,7 @@ class EagerEngineCore(CoreBase):
             lp = host.at(i, token, params.top_logprobs) if host and params.logprobs else None
             outputs.append(self._accept(seq, token, lp))
         for seq in prefilled[0] if prefilled else []:
-            if seq.id in self._seqs:
+            if not seq.status.ended:
                 self._join_batch(seq)
         return outputs
 
@@ -172,6 +173,7 @@ class EagerEngineCore(CoreBase):
             group = new_group(seqs, [s.tokens for s in seqs], self.layer_devices, self.dtype)
         for row, seq in enumerate(group.seqs):
             seq.group, seq.group_row = group, row
+            seq.status = SequenceStatus.RUNNING
             if seq.request.params.repetition_penalty != 1.0:
                 seq.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
                 seq.seen[self._tensor(seq.tokens)] = True
@@ -254,7 +256,7 @@ class EagerEngineCore(CoreBase):
             group.seqs[seq.group_row] = None
             if self._prefilling is group and not any(group.seqs):
                 self._prefilling = None
-        elif seq in self._waiting:
+        elif seq.status is SequenceStatus.WAITING:
             self._waiting.remove(seq)
         seq.group = None
 

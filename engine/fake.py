@@ -9,7 +9,8 @@ time (`` <unix µs>``), so a client can measure publish-to-receive delay.
 
 The public API and outputs are ``EngineCore``'s: add / abort / step /
 has_unfinished / cached_length / drop_cache / num_running / num_waiting, and
-``RequestOutput``. Token ``i`` of a turn is always the same word, so a turn
+``RequestOutput`` (a turn with tools split into content and calls as theirs
+are, by ``tool_calls.py``). Token ``i`` of a turn is always the same word, so a turn
 taken over from the token log continues the same text. ``max_new_tokens``
 and ``stop`` strings are honoured; the context never runs out. Finished and
 paused turns keep a nominal KV handle (token ids only) so resume and
@@ -29,8 +30,11 @@ from wsinfer.engine.fake_spec import FakeSpec
 from wsinfer.engine.lifecycle import refused
 from wsinfer.engine.logprobs import TokenLogprob
 from wsinfer.engine.lru import LRUBacked, RetainedLRU
+from wsinfer.engine.requests import SequenceStatus
 from wsinfer.engine.stats import CoreStats, kept_caches
+from wsinfer.engine.tool_calls import call_parser, split_calls, with_tools
 from wsinfer.sessions.schema import TurnError, Usage
+from wsinfer.tool_formats import CallParser, format_for_template
 
 WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
 # Nominal size of one token's KV, so the cache metrics move like a small model's.
@@ -75,6 +79,7 @@ class _Stream:
     emitted: int = 0  # tokens produced since add()
     cached_tokens: int = 0
     tail: str = ""  # recent text, to find stop strings that span tokens
+    calls: CallParser | None = None  # a turn with tools: reads the calls out of its text
 
 
 class _FakeStore(LRUBacked):
@@ -117,6 +122,7 @@ class FakeCore:
         self._immediate: list[RequestOutput] = []
         self._aborts: dict[str, bool] = {}
         self._last_step = 0.0  # monotonic time of the last step that gave tokens
+        self.tool_format = format_for_template(None)  # its tokenizer has no chat template
 
     # --- EngineCore's public API ------------------------------------------------
 
@@ -127,12 +133,14 @@ class FakeCore:
         rid = request.request_id
         if rid in self._streams or any(o.request_id == rid for o in self._immediate):
             raise ValueError(f"duplicate request id {rid!r}")
+        request = with_tools(request, self.tool_format)
         if request.params.response_format is not None:
             # Its words follow no grammar: refuse rather than answer outside the format.
             message = "the fake model cannot follow a response_format"
             self._immediate.append(refused(request, TurnError(ErrorCode.BAD_REQUEST, message)))
             return
         stream = _Stream(request, time.monotonic(), len(request.generated_ids))
+        stream.calls = call_parser(request, self.tool_format)
         stream.cached_tokens = self._reuse(request)
         if stream.num_generated >= request.params.max_new_tokens:  # rebuilt, already over
             self._immediate.append(self._final(stream, "length", [], ""))
@@ -205,7 +213,9 @@ class FakeCore:
             last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
             last.text = "".join(out.text for out in outputs)
             last.logprobs = [lp for out in outputs for lp in out.logprobs]
-            return [last]
+            outputs = [last]
+        if stream.calls is not None:
+            outputs = [split_calls(stream.calls, out) for out in outputs]
         return outputs
 
     def _token(self, stream: _Stream, stamp: str | None) -> RequestOutput:
@@ -255,7 +265,8 @@ class FakeCore:
             stream = self._streams.get(rid)
             if stream is not None:
                 reason: FinishReasonName | None = None if pause else "cancelled"
-                outputs.append(self._final(stream, reason, [], "", paused=pause))
+                status = SequenceStatus.PAUSED if pause else SequenceStatus.FINISHED
+                outputs.append(self._final(stream, reason, [], "", status))
         self._aborts.clear()
         return outputs
 
@@ -265,8 +276,7 @@ class FakeCore:
         reason: FinishReasonName | None,
         new_ids: list[int],
         text: str,
-        *,
-        paused: bool = False,
+        status: SequenceStatus = SequenceStatus.FINISHED,
     ) -> RequestOutput:
         request = stream.request
         self._streams.pop(request.request_id, None)
@@ -276,9 +286,8 @@ class FakeCore:
             new_ids,
             text,
             stream.num_generated,
-            finished=not paused,
-            finish_reason=reason,
-            paused=paused,
+            status,
+            reason,
             usage=Usage(len(request.prompt_ids), stream.num_generated, stream.cached_tokens),
             kv_len=kv_len,
         )

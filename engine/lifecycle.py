@@ -6,8 +6,8 @@ any other transformers model) takes ``add`` / ``abort`` and returns
 owns the part that does not depend on how the forward pass runs: the step's
 skeleton (aborts, the forward, what a failed forward does to its requests),
 admission checks and rebuilding a request from its token log; what a sampled
-token means (end-of-sequence, stop strings, length, the final outputs) is the
-``OutputProcessor``'s (``output.py``).
+token means (end-of-sequence, stop strings, length, tool calls, the outputs) is
+the ``OutputProcessor``'s (``output.py``).
 Subclasses run the forward and say how a sequence's KV is retained and how it
 leaves the batch.
 """
@@ -28,7 +28,7 @@ from .grammar import Grammars
 from .logprobs import TokenLogprob
 from .model import LoadedModel
 from .output import OutputProcessor
-from .requests import EngineRequest, RequestOutput, Sequence
+from .requests import EngineRequest, RequestOutput, Sequence, SequenceStatus
 from .sampling import fresh_seed
 from .stats import CoreStats, kept_caches
 
@@ -127,6 +127,7 @@ class CoreBase:
         rid = request.request_id
         if rid in self._seqs or rid in self._immediate:
             raise ValueError(f"duplicate request id {rid!r}")
+        request = self.output.admitted(request)
         error = self._validate(request)
         if error is not None:
             self._immediate[rid] = refused(request, error)
@@ -138,8 +139,9 @@ class CoreBase:
                 self._immediate[rid] = refused(request, error)
                 return
         done = self.output.already_done(seq)
-        if done is not None:
-            self._immediate[rid] = self._final_output(seq, done, [], "")
+        if done is not None:  # it ended before it was queued: no KV to keep, no place to leave
+            seq.status = SequenceStatus.FINISHED
+            self._immediate[rid] = self.output.final(seq, done, [], "")
             return
         self._seqs[rid] = seq
         self._enqueue(seq)
@@ -213,7 +215,9 @@ class CoreBase:
         detok = self.output.detokenizer(request)
         seed = params.seed if params.seed is not None else fresh_seed()
         tokens = list(request.prompt_ids) + list(request.generated_ids)
-        return self._sequence_type()(request, tokens, detok, seed, len(request.generated_ids))
+        seq = self._sequence_type()(request, tokens, detok, seed, len(request.generated_ids))
+        seq.calls = self.output.calls(request)
+        return seq
 
     def _constrain(self, seq: Sequence) -> TurnError | None:
         """Give ``seq`` its response_format's matcher, past the tokens it already has."""
@@ -240,9 +244,7 @@ class CoreBase:
             return self._final_output(
                 seq, out.reason, out.new_ids, out.text, error=out.error, logprobs=out.logprobs
             )
-        return RequestOutput(
-            seq.id, out.new_ids, out.text, seq.num_generated, logprobs=out.logprobs
-        )
+        return self.output.output(seq, out)
 
     def _process_aborts(self) -> list[RequestOutput]:
         outputs = []
@@ -254,7 +256,8 @@ class CoreBase:
             # released: with no new token its delta would repeat the last delta's seq,
             # which followers drop as already seen. The turn's text ends before it.
             reason: FinishReasonName | None = None if pause else "cancelled"
-            outputs.append(self._final_output(seq, reason, [], "", paused=pause))
+            status = SequenceStatus.PAUSED if pause else SequenceStatus.FINISHED
+            outputs.append(self._final_output(seq, reason, [], "", status=status))
         self._aborts.clear()
         return outputs
 
@@ -265,15 +268,17 @@ class CoreBase:
         new_ids: list[int],
         text: str,
         *,
-        paused: bool = False,
+        status: SequenceStatus = SequenceStatus.FINISHED,
         error: TurnError | None = None,
         logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
-        """Remove ``seq`` (retaining its KV under its cache key) and build its last output."""
+        """End ``seq`` as ``status`` (retaining its KV under its cache key) and build its
+        last output. Its status changes once it is removed: removing reads where it was."""
         kv_len = self._retain(seq) if error is None else None
         self._remove(seq)
+        seq.status = status
         return self.output.final(
-            seq, reason, new_ids, text, paused=paused, error=error, logprobs=logprobs, kv_len=kv_len
+            seq, reason, new_ids, text, error=error, logprobs=logprobs, kv_len=kv_len
         )
 
     def _faulted(self, failed: list[Any], message: str) -> list[RequestOutput]:
@@ -286,4 +291,5 @@ def refused(request: EngineRequest, error: TurnError) -> RequestOutput:
     """The one output of a request ended before it ran (by ``error``)."""
     n = len(request.generated_ids)
     usage = Usage(len(request.prompt_ids), n, 0)
-    return RequestOutput(request.request_id, [], "", n, True, "error", usage=usage, error=error)
+    finished = SequenceStatus.FINISHED
+    return RequestOutput(request.request_id, [], "", n, finished, "error", usage=usage, error=error)

@@ -5,7 +5,8 @@ hand every sampled token to ``OutputProcessor.accept``. It owns the
 detokenizer (text held back for a partial UTF-8 character or a possible stop
 string, rebuilt from a turn's token log), the end-of-sequence tokens, stop
 strings, the length and context limits, the response_format's matcher, and
-the logprobs entries that ride with a token; and it builds every final
+the logprobs entries that ride with a token, and a turn's tool calls (its text
+split into content and completed calls, ``tool_calls.py``); and it builds every
 output. The cores keep only what depends on how the forward runs: where a
 sequence's KV goes when it ends, and how it leaves the batch.
 """
@@ -16,11 +17,13 @@ from dataclasses import dataclass, field
 
 from wsinfer.contract import ErrorCode, FinishReasonName
 from wsinfer.sessions.schema import GenerationParams, TurnError, Usage
+from wsinfer.tool_formats import CallParser, format_for_template
 
 from .detokenizer import Detokenizer, Detokenizers
 from .logprobs import TokenBytes, TokenLogprob
 from .model import LoadedModel
 from .requests import EngineRequest, RequestOutput, Sequence
+from .tool_calls import call_parser, split_calls, with_tools
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,20 @@ class OutputProcessor:
         self.max_context = max_context
         self.token_bytes = TokenBytes(loaded.tokenizer)  # for logprobs entries
         self.detokenizers = Detokenizers(loaded.tokenizer, self.token_bytes)
+        # How this model writes tool calls: read back out of its text in that format.
+        self.tool_format = format_for_template(getattr(loaded.tokenizer, "chat_template", None))
 
     def ends(self, params: GenerationParams) -> frozenset[int]:
         """The tokens that end a turn: the model's end-of-sequence tokens, unless ignored."""
         return frozenset() if params.ignore_eos else self.eos
+
+    def admitted(self, request: EngineRequest) -> EngineRequest:
+        """``request`` as the core runs it (a turn with tools: held to its calls)."""
+        return with_tools(request, self.tool_format)
+
+    def calls(self, request: EngineRequest) -> CallParser | None:
+        """A turn with tools: the parser of its calls, past the text already out."""
+        return call_parser(request, self.tool_format)
 
     def detokenizer(self, request: EngineRequest) -> Detokenizer:
         """A request's detokenizer, rebuilt past its token log: the text of those
@@ -94,6 +107,13 @@ class OutputProcessor:
         max_new = seq.request.params.max_new_tokens
         return seq.num_generated >= max_new or len(seq.tokens) >= self.max_context
 
+    def output(self, seq: Sequence, accepted: Accepted) -> RequestOutput:
+        """The output of a token that did not end ``seq``'s turn."""
+        out = RequestOutput(
+            seq.id, accepted.new_ids, accepted.text, seq.num_generated, logprobs=accepted.logprobs
+        )
+        return self._split(seq, out)
+
     def final(
         self,
         seq: Sequence,
@@ -101,26 +121,28 @@ class OutputProcessor:
         new_ids: list[int],
         text: str,
         *,
-        paused: bool = False,
         error: TurnError | None = None,
         logprobs: list[TokenLogprob] | None = None,
         kv_len: int | None = None,
     ) -> RequestOutput:
-        """A sequence's last output (``paused``: it is kept for a resume)."""
+        """A sequence's last output, as it ended (``seq.status``: paused or finished)."""
         usage = Usage(len(seq.request.prompt_ids), seq.num_generated, seq.cached_tokens)
-        return RequestOutput(
+        out = RequestOutput(
             seq.id,
             new_ids,
             text,
             seq.num_generated,
-            finished=not paused,
+            status=seq.status,
             finish_reason=reason,
-            paused=paused,
             usage=usage,
             kv_len=kv_len,
             error=error,
             logprobs=logprobs or [],
         )
+        return self._split(seq, out)
+
+    def _split(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
+        return split_calls(seq.calls, out) if seq.calls is not None else out
 
 
 def _broken_format(token: int, failure: str | None) -> TurnError:

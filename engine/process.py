@@ -32,6 +32,7 @@ from wsinfer.engine.metrics import EngineMetrics
 from wsinfer.engine.model import LoadedModel, ModelLoadError, load_model
 from wsinfer.engine.outage import OutageGuard
 from wsinfer.engine.prompts import render_chat, render_text
+from wsinfer.engine.requests import SequenceStatus, ToolCalls
 from wsinfer.engine.standby import StandbyGate
 from wsinfer.preflight import StartupError, require_redis, serve_metrics
 from wsinfer.sessions.connect import sync_client
@@ -40,7 +41,6 @@ from wsinfer.sessions.schema import (
     Control,
     DeltaEvent,
     DoneEvent,
-    GenerationParams,
     PausedEvent,
     TurnError,
     TurnEvent,
@@ -56,8 +56,6 @@ from wsinfer.sessions.worker import (
     WorkerStore,
     WorkItem,
 )
-from wsinfer.tool_formats import HERMES, CallParser, ToolFormat, format_for_template
-from wsinfer.tools import tool_names
 
 log = structlog.get_logger("wsinfer.engine")
 
@@ -101,7 +99,6 @@ class ActiveTurn:
     # for a poll interval (waiting for a batch slot, a long prefill) are polled.
     checked_at: float = 0.0
     idle_paused: bool = False  # the idle limit asked the core to pause it
-    calls: CallParser | None = None  # a turn with tools: its text split into calls
 
 
 class EngineProcess:
@@ -115,8 +112,6 @@ class EngineProcess:
     ) -> None:
         self.core = core
         self.loaded = loaded
-        # How this model writes tool calls: read back out of its text in that format.
-        self.tool_format = format_for_template(getattr(loaded.tokenizer, "chat_template", None))
         self.store = store
         self.config = config
         self.metrics = metrics or EngineMetrics(engine_id=config.engine_id)
@@ -261,11 +256,8 @@ class EngineProcess:
         if published.ended_at:  # continued past an end by length: as many tokens again
             budget = published.ended_at + params.max_new_tokens
             params = dataclasses.replace(params, max_new_tokens=budget)
-        if params.calls_tools:
-            prefix = f"call_{session}_{turn}"
-            active.calls = self.tool_format.parser(tool_names(params.tools), prefix)
-            active.calls.feed(published.text)  # already out
-            params = _held_to_its_calls(params, self.tool_format)
+        # A turn with tools: the core splits its text into content and calls.
+        calls = ToolCalls(f"call_{session}_{turn}", published.text) if params.calls_tools else None
         self.active[request_id] = active
         self.core.add(
             EngineRequest(
@@ -275,6 +267,7 @@ class EngineProcess:
                 generated_ids=generated,
                 cache_key=session,
                 released=published.ended_at > 0,
+                tool_calls=calls,
             )
         )
         self._abort_if_asked(request_id, claimed.control)
@@ -398,7 +391,7 @@ class EngineProcess:
             new_token_ids=[],
             text="",
             num_generated=turn.seq,
-            finished=True,
+            status=SequenceStatus.FINISHED,
             finish_reason="error",
             error=TurnError(ErrorCode.INTERNAL, f"engine fault: {exc}"),
         )
@@ -444,16 +437,15 @@ class EngineProcess:
 
     def _to_publish(self, turn: ActiveTurn, out: RequestOutput) -> Publish:
         events: list[TurnEvent] = []
-        if out.new_token_ids or out.text:
+        if out.new_token_ids or out.text or out.raw is not None:
             logprobs = wire_entries(out.logprobs, self.core.token_bytes) if out.logprobs else None
-            tokens = list(out.new_token_ids)
-            events.append(_delta(turn, out, tokens, logprobs))
+            events.append(_delta(out, list(out.new_token_ids), logprobs))
         fields: dict[str, Any] = {"pub": turn.published + 1}
         if not turn.announced:
             fields["prompt_tokens"] = turn.prompt_tokens
         if_stopped = None
-        if out.finished or out.paused:
-            events.append(_final_event(out, called=turn.calls is not None and turn.calls.count > 0))
+        if out.status.ended:
+            events.append(_final_event(out))
             cached = out.usage.cached_tokens if out.usage else 0
             fields["kv_engine"] = self.config.engine_id if out.kv_len else ""
             fields["kv_len"] = out.kv_len or 0
@@ -511,49 +503,28 @@ class EngineProcess:
 
 
 def _delta(
-    turn: ActiveTurn,
-    out: RequestOutput,
-    tokens: list[int],
-    logprobs: list[dict[str, Any]] | None,
+    out: RequestOutput, tokens: list[int], logprobs: list[dict[str, Any]] | None
 ) -> DeltaEvent:
-    """The delta of ``out``; for a turn with tools, its content and completed calls.
-    What may begin a call stays held until a later delta, or the turn's last one (a
-    stopped turn's last output has no token, and so no delta of its own to carry it)."""
-    if turn.calls is None:
-        return DeltaEvent(out.num_generated, out.text, tokens, logprobs=logprobs)
-    parsed = turn.calls.feed(out.text)
-    if out.finished:
-        parsed.add(turn.calls.finish())
-    raw = out.text if parsed.content != out.text else None
-    calls = parsed.calls or None
+    """The delta of ``out``: for a turn with tools, the content and completed calls the
+    core split out of it, with what the model wrote where that differs."""
     return DeltaEvent(
-        out.num_generated, parsed.content, tokens, logprobs=logprobs, raw=raw, tool_calls=calls
+        out.num_generated,
+        out.text,
+        tokens,
+        logprobs=logprobs,
+        raw=out.raw,
+        tool_calls=out.tool_calls,
     )
 
 
-def _held_to_its_calls(params: GenerationParams, fmt: ToolFormat = HERMES) -> GenerationParams:
-    """A turn's params as the core runs them: a choice that requires a call is a
-    grammar; a single call, unless required, ends the turn at its closing tag (in a
-    format that has one: the others end with the model's end token)."""
-    forced = params.tool_format
-    if forced is not None:
-        return dataclasses.replace(params, response_format=forced)
-    if not params.parallel_tool_calls and fmt.stop is not None:
-        return dataclasses.replace(params, stop=(*params.stop, fmt.stop))
-    return params
-
-
-def _final_event(out: RequestOutput, called: bool = False) -> TurnEvent:
+def _final_event(out: RequestOutput) -> TurnEvent:
     if out.paused:
         return PausedEvent(out.num_generated)
     usage = out.usage or Usage(completion_tokens=out.num_generated)
     error = None
     if out.finish_reason == "error":  # the core chose the code where the error happened
         error = out.error or TurnError(ErrorCode.INTERNAL, "generation failed")
-    reason = out.finish_reason or "stop"
-    if called and reason == "stop":  # it ended by itself after calling: OpenAI's reason
-        reason = "tool_calls"
-    return DoneEvent(out.num_generated, reason, usage, error)
+    return DoneEvent(out.num_generated, out.finish_reason or "stop", usage, error)
 
 
 def run_engine(

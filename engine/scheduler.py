@@ -41,6 +41,7 @@ from .blocks import ROOT
 from .kvbuffer import common_prefix
 from .kvpool import KVHandles, KVPool
 from .lifecycle import EngineConfig, Sequence
+from .requests import SequenceStatus
 
 log = structlog.get_logger("wsinfer.engine")
 
@@ -180,6 +181,7 @@ class Scheduler:
         # for them: it is recomputed from its tokens.
         while self._waiting and room > 0 and not self._waiting[0].pending:
             seq = self._waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
             self._resume_from_cache(seq)
             seq.target = len(seq.tokens)
             self._prefilling.append(seq)
@@ -325,6 +327,7 @@ class Scheduler:
         self.pool.release(seq.blocks)  # its full blocks stay findable: recomputing is cheap
         seq.blocks, seq.computed, seq.chain = [], 0, []
         seq.looked_up, seq.preempted = False, True
+        seq.status = SequenceStatus.WAITING
         self._waiting.appendleft(seq)
 
     # --- decode -------------------------------------------------------------------------
@@ -407,7 +410,7 @@ class Scheduler:
         self._leave_batch(seq)
         self.pool.release(seq.blocks)
         seq.blocks = []
-        if seq in self._waiting:
+        if seq.status is SequenceStatus.WAITING:
             self._waiting.remove(seq)
 
     def _leave_batch(self, seq: PagedSequence) -> None:

@@ -10,11 +10,14 @@ import sys
 from wsinfer.contract import ErrorCode
 from wsinfer.engine.lifecycle import RequestOutput
 from wsinfer.engine.process import _final_event
+from wsinfer.engine.requests import SequenceStatus
 from wsinfer.sessions.schema import DeltaEvent, DoneEvent, TurnError, Usage, decode_event, encode
 
 
 def _failed(error: TurnError | None) -> DoneEvent:
-    out = RequestOutput("s:1", [], "", 3, True, "error", usage=Usage(4, 3), error=error)
+    out = RequestOutput(
+        "s:1", [], "", 3, SequenceStatus.FINISHED, "error", usage=Usage(4, 3), error=error
+    )
     done = _final_event(out)
     assert isinstance(done, DoneEvent)
     return done

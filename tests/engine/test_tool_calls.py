@@ -21,8 +21,10 @@ from tests.engine.test_core import request
 from wsinfer.engine.core import EngineCore
 from wsinfer.engine.lifecycle import RequestOutput
 from wsinfer.engine.model import LoadedModel
-from wsinfer.engine.process import ActiveTurn, _delta, _final_event, _held_to_its_calls
+from wsinfer.engine.process import _delta, _final_event
 from wsinfer.engine.prompts import knows_tools, render_chat
+from wsinfer.engine.requests import SequenceStatus, ToolCalls
+from wsinfer.engine.tool_calls import held_to_its_calls, split_calls
 from wsinfer.sessions.schema import (
     DeltaEvent,
     DoneEvent,
@@ -122,7 +124,7 @@ def test_a_required_call_is_always_calls_of_the_tools_with_valid_arguments(
     core = EngineCore(tiny)
     ids = tiny.tokenizer.encode("What is the weather in Paris?")
     for seed in range(8):
-        core.add(request(f"r{seed}", ids, _held_to_its_calls(dataclasses.replace(p, seed=seed))))
+        core.add(request(f"r{seed}", ids, held_to_its_calls(dataclasses.replace(p, seed=seed))))
     ended = 0
     for rid, outs in run_all(core).items():
         if outs[-1].finish_reason == "length":
@@ -153,35 +155,34 @@ def test_a_required_call_excludes_a_response_format_and_min_tokens() -> None:
 
 def test_a_single_free_call_ends_the_turn_at_its_closing_tag() -> None:
     p = params(parallel_tool_calls=False)
-    assert _held_to_its_calls(p).stop == (CLOSE,)
-    assert _held_to_its_calls(params()).stop == ()
-    assert _held_to_its_calls(params(tool_choice="required")).response_format is not None
+    assert held_to_its_calls(p).stop == (CLOSE,)
+    assert held_to_its_calls(params()).stop == ()
+    assert held_to_its_calls(params(tool_choice="required")).response_format is not None
 
 
 # --- what is published -----------------------------------------------------------------
 
 
-def turn_with_tools() -> ActiveTurn:
-    turn = ActiveTurn("s", 1, 1, None, 10)  # type: ignore[arg-type]
-    turn.calls = ToolCallParser(["get_time"], "call_s_1")
-    return turn
+def turn_with_tools() -> ToolCallParser:
+    return ToolCallParser(["get_time"], "call_s_1")
 
 
 def output(text: str, n: int, tokens: list[int], finished: bool = False) -> RequestOutput:
     reason = "stop" if finished else None
-    return RequestOutput("s:1", tokens, text, n, finished, reason, usage=Usage(10, n))
+    status = SequenceStatus.FINISHED if finished else SequenceStatus.RUNNING
+    return RequestOutput("s:1", tokens, text, n, status, reason, usage=Usage(10, n))
 
 
 def test_published_deltas_carry_content_and_calls_and_the_model_text() -> None:
     turn = turn_with_tools()
-    first = _delta(turn, output("Let me check. <tool", 3, [1, 2, 3]), [1, 2, 3], None)
+    first = _delta(split_calls(turn, output("Let me check. <tool", 3, [1, 2, 3])), [1, 2, 3], None)
     assert (first.text, first.raw, first.tool_calls) == (
         "Let me check. ",
         "Let me check. <tool",
         None,
     )
     body = '_call>\n{"name": "get_time", "arguments": {}}\n' + CLOSE
-    second = _delta(turn, output(body, 5, [4, 5]), [4, 5], None)
+    second = _delta(split_calls(turn, output(body, 5, [4, 5])), [4, 5], None)
     assert second.text == "" and second.raw == body and second.tool_calls is not None
     assert second.tool_calls[0]["id"] == "call_s_1_0"
     assert first.model_text + second.model_text == "Let me check. " + OPEN + body[len("_call>") :]
@@ -189,20 +190,43 @@ def test_published_deltas_carry_content_and_calls_and_the_model_text() -> None:
         assert decode_event(encode(event)) == event
     plain = DeltaEvent(6, "x", [6])
     assert b"raw" not in encode(plain)["m"] and b"tool_calls" not in encode(plain)["m"]
-    done = _final_event(output("", 6, [0], finished=True), called=True)
+    done = _final_event(split_calls(turn, output("", 6, [0], finished=True)))
     assert isinstance(done, DoneEvent) and done.finish_reason == "tool_calls"
 
 
 def test_what_may_begin_a_call_is_released_by_the_turns_last_token_only() -> None:
     turn = turn_with_tools()
-    assert _delta(turn, output("a <", 1, [1]), [1], None).text == "a "
-    last = _delta(turn, output("", 2, [2], finished=True), [2], None)
+    assert _delta(split_calls(turn, output("a <", 1, [1])), [1], None).text == "a "
+    last = _delta(split_calls(turn, output("", 2, [2], finished=True)), [2], None)
     assert last.text == "<"  # the end-of-sequence token's delta releases it
     stopped = turn_with_tools()
-    _delta(stopped, output("a <", 1, [1]), [1], None)
+    _delta(split_calls(stopped, output("a <", 1, [1])), [1], None)
     # A stop has no token of its own, so no delta: the held text is not the turn's.
-    cancelled = _final_event(RequestOutput("s:1", [], "", 1, True, "cancelled"))
+    cancelled = _final_event(RequestOutput("s:1", [], "", 1, SequenceStatus.FINISHED, "cancelled"))
     assert isinstance(cancelled, DoneEvent) and cancelled.finish_reason == "cancelled"
+
+
+def test_the_core_splits_the_calls_of_a_turn_that_asks_as_the_model_wrote_them(
+    tiny: LoadedModel,
+) -> None:
+    p = params(tool_choice="required")
+    core = EngineCore(tiny)
+    ids = tiny.tokenizer.encode("What is the weather in Paris?")
+    for seed in range(4):
+        ask = ToolCalls(f"call_s_{seed}")
+        core.add(request(f"r{seed}", ids, dataclasses.replace(p, seed=seed), tool_calls=ask))
+    ended = 0
+    for rid, outs in run_all(core).items():
+        wrote = "".join(o.text if o.raw is None else o.raw for o in outs)
+        parser = ToolCallParser(tool_names(p.tools), f"call_s_{rid[1:]}")
+        parsed = parser.feed(wrote)
+        parsed.add(parser.finish())  # a turn cut short by length included
+        if outs[-1].finish_reason != "length":
+            assert outs[-1].finish_reason == "tool_calls"  # a required call was made
+            ended += 1
+        assert text_of(outs) == parsed.content
+        assert [c for o in outs for c in o.tool_calls or []] == parsed.calls
+    assert ended >= 1  # not all cut short: the reason was checked
 
 
 # --- the real model ---------------------------------------------------------------------
@@ -214,7 +238,7 @@ def test_smollm2_calls_the_weather_tool_for_the_city_asked_about(smol: LoadedMod
     messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
     ids = render_chat(smol.tokenizer, messages, p.tools)
     core = EngineCore(smol)
-    core.add(request("r", ids, _held_to_its_calls(p)))
+    core.add(request("r", ids, held_to_its_calls(p)))
     outs = run_all(core)["r"]
     _, calls = calls_of(text_of(outs), p)
     assert calls[0]["function"]["name"] == "get_weather", text_of(outs)

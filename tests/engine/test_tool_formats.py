@@ -14,8 +14,8 @@ import pytest
 from tests.engine.test_tool_calls import ARGS, params, request, run_all, text_of
 from wsinfer.engine.core import EngineCore
 from wsinfer.engine.model import LoadedModel
-from wsinfer.engine.process import _held_to_its_calls
 from wsinfer.engine.prompts import render_chat
+from wsinfer.engine.tool_calls import held_to_its_calls
 from wsinfer.tool_formats import HERMES, LLAMA3_JSON, MISTRAL, ToolFormat, format_for_template
 
 # Just enough of each family's template to be told apart (their markers).
@@ -112,7 +112,7 @@ def test_a_required_call_is_drawn_in_the_models_format(tiny: LoadedModel, templa
     ids = model.tokenizer.encode("What is the weather in Paris?")
     for seed in range(8):
         core.add(
-            request(f"r{seed}", ids, _held_to_its_calls(dataclasses.replace(p, seed=seed), fmt))
+            request(f"r{seed}", ids, held_to_its_calls(dataclasses.replace(p, seed=seed), fmt))
         )
     ended = 0
     for rid, outs in run_all(core).items():
