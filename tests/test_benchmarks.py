@@ -505,3 +505,19 @@ def test_bench_cpu_kernels_puts_each_kernel_set_beside_its_baseline(
     for table in (decode, prefill):
         for row in data_rows(table.splitlines()):
             assert all(float(cell.rstrip("x")) > 0 for cell in row[1:])
+
+
+def test_bench_cpu_per_token_reads_the_processes_cpu_time() -> None:
+    bench = load_script("bench_cpu_per_token")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        tree = bench.process_tree(os.getpid())
+        assert os.getpid() in tree and child.pid in tree
+        sum(range(3_000_000))  # some CPU of our own to count
+        assert bench.cpu_seconds(os.getpid()) > 0
+        assert bench._name("/usr/bin/redis-server unixsocket:/tmp/x") == "redis"
+        serve = ".venv/bin/python .venv/bin/wsinfer serve --port 1"
+        assert bench._name(serve) == "serve (frontend)"
+    finally:
+        child.kill()
+        child.wait()
