@@ -292,8 +292,11 @@ class TurnState:
         if self.continued is not None:
             self.end_seq, self.finish_reason, self.usage = self.continued
             self.status = TurnStatus.DONE
-        self.continued = None
-        self.continue_repeated = False
+        self.continue_went_on()
+
+    def continue_went_on(self) -> None:
+        """The server applied the ``continue``: nothing of it to restore or repeat."""
+        self.continued, self.continue_repeated = None, False
 
     def continued_end(self, msg: TurnMessage) -> bool:
         """Whether ``msg`` is the very end an unanswered ``continue`` went on from,
@@ -568,7 +571,7 @@ class ClientProtocol:
             self._follow(turn, None, ClientMessageType.CONTINUE)
             return []
         if turn.continued is not None and msg["seq"] > turn.continued[0]:
-            turn.continued, turn.continue_repeated = None, False  # it was applied
+            turn.continue_went_on()  # it was applied
         event = turn.apply(msg)
         if turn.finished:
             self._forget(turn)
@@ -598,7 +601,7 @@ class ClientProtocol:
             self._forget(turn)
             return []
         if pending.kind == ClientMessageType.CONTINUE.value or not ended:
-            turn.continued, turn.continue_repeated = None, False  # it went on
+            turn.continue_went_on()
         if turn.done and msg.get("status") != TurnStatus.DONE.value:
             turn.reopen()  # it went on past the done we saw (a continue)
             self._register(turn)
@@ -615,7 +618,7 @@ class ClientProtocol:
             if pending.kind == ClientMessageType.CONTINUE.value and turn is not None:
                 if turn.continue_repeated and exc.code == ErrorCode.CONFLICT.value:
                     # The first one was applied after all: follow what it started.
-                    turn.continued, turn.continue_repeated = None, False
+                    turn.continue_went_on()
                     turn.following = False
                     self._follow(turn, pending.waiter)
                     return []

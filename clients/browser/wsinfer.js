@@ -206,8 +206,7 @@ export class WsinferTurn extends EventTarget {
   /** The `continue` was refused: the turn ended as it had. */
   _undoContinue() {
     const end = this._continued;
-    this._continued = null;
-    this._continueRepeated = false;
+    this._continueWentOn();
     if (!end || this.status === FAILED) return;
     Object.assign(this, { status: TurnStatus.DONE, finishReason: end.finishReason, usage: end.usage, _endSeq: end.seq });
     this._resolve({ text: this.text, seq: this.seq, finishReason: end.finishReason, usage: end.usage });
@@ -223,7 +222,13 @@ export class WsinferTurn extends EventTarget {
 
   /** An event past the end a `continue` went on from: the server applied it. */
   _passed(seq) {
-    if (this._continued && seq > this._continued.seq) this._continued = null;
+    if (this._continued && seq > this._continued.seq) this._continueWentOn();
+  }
+
+  /** The server applied the `continue`: nothing of it to restore or repeat. */
+  _continueWentOn() {
+    this._continued = null;
+    this._continueRepeated = false;
   }
 
   _reopen(status) {
@@ -627,10 +632,7 @@ export class WsinferClient extends EventTarget {
         turn._undoContinue(); // not applied: the turn stays as it ended
         return;
       }
-      if (p.type === Send.CONTINUE || (msg.status && msg.status !== TurnStatus.DONE)) {
-        turn._continued = null; // it went on
-        turn._continueRepeated = false;
-      }
+      if (p.type === Send.CONTINUE || (msg.status && msg.status !== TurnStatus.DONE)) turn._continueWentOn();
       if (msg.status && turn.active && msg.status !== TurnStatus.DONE) turn.status = msg.status;
       // A done turn that went on (a continue): followed again until its next done.
       else if (msg.status && msg.status !== TurnStatus.DONE && turn.status === TurnStatus.DONE) turn._reopen(msg.status);
@@ -710,8 +712,7 @@ export class WsinferClient extends EventTarget {
     const turn = p.turn;
     if (p.type === Send.CONTINUE && turn._continueRepeated && error.code === ErrorCode.CONFLICT) {
       // The first one was applied after all (a continue is applied once): follow it.
-      turn._continued = null;
-      turn._continueRepeated = false;
+      turn._continueWentOn();
       this._resumeTurn(turn);
     } else if (p.type === Send.CONTINUE) {
       turn._undoContinue();

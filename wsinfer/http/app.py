@@ -352,11 +352,9 @@ class HttpApp:
         return HttpResponse.json(200, _info_body(info.session, info.turn, info.status, info.seq))
 
     async def messages(self, request: HttpRequest, session: str) -> HttpResponse:
-        after = request.query.get("after_turn", "0")
-        if not (after.isascii() and after.isdigit() and len(after) <= 9):
-            raise bad_request("after_turn must be a non-negative integer", param="after_turn")
+        after = _non_negative(request.query.get("after_turn"), "after_turn")
         store, token = self.frontend.store, _session_token(request)
-        return HttpResponse.json(200, await session_messages(store, session, token, int(after)))
+        return HttpResponse.json(200, await session_messages(store, session, token, after))
 
     async def delete(self, request: HttpRequest, session: str) -> HttpResponse:
         await self.close_session(session, _session_token(request))

@@ -33,10 +33,10 @@ async def session_messages(
         _, asked = await store.turn_record(session, number)
         events, _ = await store.read_turn(session, number)
         turn: dict[str, Any] = {"turn": number}
-        if asked is not None:
-            turn["messages" if asked.mode == "chat" else "prompt"] = (
-                asked.messages if asked.mode == "chat" else asked.prompt
-            )
+        if asked is not None and asked.mode == "chat":
+            turn["messages"] = asked.messages
+        elif asked is not None:
+            turn["prompt"] = asked.prompt
         turn["answer"] = _answer(events)
         turn["status"] = info.status if number == info.turn else TurnStatus.DONE.value
         if events and isinstance(events[-1], DoneEvent):
