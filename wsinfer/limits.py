@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 
+from wsinfer.clock import Clock
 from wsinfer.errors import EngineUnavailable, Overloaded
 from wsinfer.sessions.store import QueueState
 
@@ -45,7 +46,7 @@ class CapacityGate:
         fetch: Fetch,
         max_queued: int,
         refresh_s: float = 0.25,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self._fetch = fetch
         self._clock = clock
@@ -170,15 +171,18 @@ class TokenBucket:
     rate: float
     burst: float
     tokens: float = field(default=-1.0)
-    stamp: float = field(default_factory=time.monotonic)
+    stamp: float = field(default=float("-inf"))  # -inf: the clock's time at creation
+    clock: Clock = field(default=time.monotonic, kw_only=True, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tokens < 0:
             self.tokens = self.burst
+        if self.stamp == float("-inf"):
+            self.stamp = self.clock()
 
     def take(self) -> float:
         """0.0 if a request may go now, else the seconds until one may."""
-        now = time.monotonic()
+        now = self.clock()
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
         if self.tokens >= 1.0:
@@ -194,14 +198,17 @@ class LogThrottle:
     every request, must not turn the log into the bottleneck.
     """
 
-    def __init__(self, per_window: int = 5, window_s: float = 10.0) -> None:
+    def __init__(
+        self, per_window: int = 5, window_s: float = 10.0, *, clock: Clock = time.monotonic
+    ) -> None:
         self.per_window = per_window
         self.window_s = window_s
+        self._clock = clock
         self._seen: dict[str, tuple[float, int]] = {}  # key -> (window start, count)
 
     def allow(self, key: str) -> tuple[bool, int]:
         """(log this one?, how many of this key were suppressed in the last window)."""
-        now = time.monotonic()
+        now = self._clock()
         start, count = self._seen.get(key, (now, 0))
         suppressed = 0
         if now - start >= self.window_s:
