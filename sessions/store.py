@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
+from wsinfer.clock import Clock
 from wsinfer.contract import ClientMessageType, TurnStatus
 from wsinfer.sessions import keys, scripts
 from wsinfer.sessions.connect import is_cluster
@@ -125,11 +126,23 @@ def token_for_key(key: str) -> str:
 
 
 class SessionStore:
-    """Client-driven session operations; every key comes from ``keys``."""
+    """Client-driven session operations; every key comes from ``keys``.
 
-    def __init__(self, redis: aioredis.Redis, *, ttl_s: int = DEFAULT_SESSION_TTL_S) -> None:
+    ``clock``: wall-clock seconds, as the engines' heartbeats and the times the
+    scripts keep (``seen_at``, a queued turn's resend period) are compared
+    across processes.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        ttl_s: int = DEFAULT_SESSION_TTL_S,
+        clock: Clock = time.time,
+    ) -> None:
         self.redis = redis
         self.ttl_s = ttl_s
+        self.clock = clock
         self._start = redis.register_script(scripts.START_TURN)
         self._control = redis.register_script(scripts.CONTROL)
         self._touch = redis.register_script(scripts.TOUCH)
@@ -209,7 +222,7 @@ class SessionStore:
             next_turn=turn,
             mode=turn_input.mode,
             packed_input=turn_input.pack(),
-            now=time.time(),
+            now=self.clock(),
             session_ttl=self.ttl_s,
             allowed_from=statuses_arg(allowed_from(Action.START)),
             target=target(Action.START).value,
@@ -249,7 +262,7 @@ class SessionStore:
             return keys.REQUESTS
         if alive is None:
             beat = await self.redis.zscore(keys.ENGINES, holder)
-            fresh = beat is not None and time.time() - beat < ENGINE_FRESH_S
+            fresh = beat is not None and self.clock() - beat < ENGINE_FRESH_S
         else:
             fresh = holder in alive
         return keys.engine_requests(holder) if fresh else keys.REQUESTS
@@ -292,7 +305,7 @@ class SessionStore:
                 token_hash=hash_token(token),
                 turn=turn,
                 fallback_ttl=self.ttl_s,
-                now=int(time.time()),
+                now=int(self.clock()),
                 expected_counters=meta.counters(),
                 paused_event=pack(PausedEvent(meta.seq)),
                 cancelled_event=pack(meta.cancelled()),
@@ -324,7 +337,7 @@ class SessionStore:
             meta=keys.meta(session),
             token_hash=hash_token(token),
             turn=turn,
-            now=time.time(),
+            now=self.clock(),
             fallback_ttl=self.ttl_s,
         )
         reply = [as_str(v) for v in await self._watch_until(keys=call.keys(), args=call.args())]
@@ -377,7 +390,7 @@ class SessionStore:
         followed turns queued that long without a claim get their work item again
         (``resent``): the process that queued one may have died before writing it.
         """
-        now = time.time()
+        now = self.clock()
         queued, after = TurnStatus.QUEUED.value, max(resend_after_s, 0.0)
         calls: list[ScriptCall] = [
             bound(
@@ -415,12 +428,12 @@ class SessionStore:
         return events, last_id
 
     async def engines_alive(self, within_s: float) -> int:
-        return int(await self.redis.zcount(keys.ENGINES, time.time() - within_s, "+inf"))
+        return int(await self.redis.zcount(keys.ENGINES, self.clock() - within_s, "+inf"))
 
     async def engine_metrics(self, within_s: float) -> dict[str, bytes]:
         """The metrics exposition of each engine alive now, by engine id (an engine
         that has not published one yet is left out)."""
-        names = await self.redis.zrangebyscore(keys.ENGINES, time.time() - within_s, "+inf")
+        names = await self.redis.zrangebyscore(keys.ENGINES, self.clock() - within_s, "+inf")
         ids = [as_str(name) for name in names]
         if not ids:
             return {}
@@ -434,7 +447,7 @@ class SessionStore:
     async def capacity(self, within_s: float) -> QueueState:
         """The engines alive now and the shared queue's counters, in one round trip."""
         pipe: Pipeline = self.redis.pipeline(transaction=False)
-        pipe.zrangebyscore(keys.ENGINES, time.time() - within_s, "+inf")
+        pipe.zrangebyscore(keys.ENGINES, self.clock() - within_s, "+inf")
         pipe.xinfo_groups(keys.REQUESTS)
         pipe.xlen(keys.REQUESTS)
         names, groups, length = await pipe.execute(raise_on_error=False)

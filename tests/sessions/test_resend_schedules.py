@@ -19,8 +19,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from wsinfer.clock import ManualClock
 from wsinfer.sessions import keys
-from wsinfer.sessions import store as store_module
 from wsinfer.sessions.schema import DoneEvent, GenerationParams, TurnInput, as_str
 from wsinfer.sessions.store import SessionStore
 from wsinfer.sessions.worker import ClaimedTurn, Publish, WorkerStore
@@ -33,16 +33,6 @@ SCHEDULES = 300
 STEPS = 40
 
 
-class Clock:
-    """The frontends' clock (TOUCH compares the times they send), moved by the schedule."""
-
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def time(self) -> float:
-        return self.now
-
-
 class Schedule:
     def __init__(
         self,
@@ -50,7 +40,7 @@ class Schedule:
         frontends: list[SessionStore],
         engine: WorkerStore,
         redis_client: redis.Redis,
-        clock: Clock,
+        clock: ManualClock,  # the frontends' (TOUCH compares the times they send)
     ) -> None:
         self.rng, self.frontends, self.engine = rng, frontends, engine
         self.redis, self.clock = redis_client, clock
@@ -91,7 +81,7 @@ class Schedule:
         self.resent += len(touched.resent)
 
     async def tick(self) -> None:
-        self.clock.now += self.rng.choice([1.0, 3.0, 6.0, RESEND_AFTER_S + 1])
+        self.clock.advance(self.rng.choice([1.0, 3.0, 6.0, RESEND_AFTER_S + 1]))
 
     async def read(self) -> None:
         """The engine reads the queue and claims what it may."""
@@ -133,7 +123,7 @@ class Schedule:
         """Frontends keep touching, time passes, the engine reads: the turn gets run."""
         for _ in range(3):
             await self.touch()
-            self.clock.now += RESEND_AFTER_S + 1
+            self.clock.advance(RESEND_AFTER_S + 1)
             await self.touch()
             await self.read()
             if self.status() != "queued":
@@ -144,11 +134,9 @@ class Schedule:
 async def test_every_followed_queued_turn_runs_once_whatever_is_lost(
     aredis: aioredis.Redis,
     redis_client: redis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    clock = Clock()
-    monkeypatch.setattr(store_module, "time", clock)
-    frontends = [SessionStore(aredis, ttl_s=600), SessionStore(aredis, ttl_s=600)]
+    clock = ManualClock()  # moved by the schedule
+    frontends = [SessionStore(aredis, ttl_s=600, clock=clock) for _ in range(2)]
     engine = WorkerStore(redis_client, "engine-a", ttl_s=600)
     engine.ensure_group()
     resent = 0

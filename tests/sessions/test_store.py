@@ -9,8 +9,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from wsinfer.clock import ManualClock
 from wsinfer.sessions import keys
 from wsinfer.sessions.schema import (
+    ENGINE_FRESH_S,
     DeltaEvent,
     DoneEvent,
     GenerationParams,
@@ -34,6 +36,13 @@ TEXT = TurnInput("text", None, "Once upon", GenerationParams(temperature=0))
 @pytest.fixture
 def store(aredis: aioredis.Redis) -> SessionStore:
     return SessionStore(aredis, ttl_s=60)
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    """The time a test moves; it starts at the real time, so what the scripts keep
+    (``seen_at``, a turn's creation) stays plausible."""
+    return ManualClock(time.time())
 
 
 @pytest.fixture
@@ -406,6 +415,28 @@ async def test_no_routing_to_a_silent_engine(
     assert worker.read_work(10, None)[0].stream == keys.REQUESTS
 
 
+async def test_the_store_judges_an_engine_alive_by_its_own_clock(
+    aredis: aioredis.Redis, worker: WorkerStore, redis_client: redis.Redis
+) -> None:
+    """Far from the real time: a store that read ``time.time`` would see no engine."""
+    clock = ManualClock()
+    store = SessionStore(aredis, ttl_s=60, clock=clock)
+    session, token = await store.create(CHAT)
+    await _finish_turn(worker, session, kv=True)
+    redis_client.zadd(keys.ENGINES, {"engine-a": clock()})  # its heartbeat, as of now
+    clock.advance(ENGINE_FRESH_S - 1)
+    assert await store.engines_alive(ENGINE_FRESH_S) == 1
+    assert (await store.capacity(ENGINE_FRESH_S)).alive == {"engine-a"}
+    await store.add_turn(session, token, CHAT)  # to the engine holding the KV cache
+    assert redis_client.xlen(keys.engine_requests("engine-a")) == 1
+    await _finish_turn(worker, session, kv=True)
+    clock.advance(2)  # its heartbeat is older than ENGINE_FRESH_S: stale
+    assert await store.engines_alive(ENGINE_FRESH_S) == 0
+    await store.add_turn(session, token, CHAT)
+    assert redis_client.xlen(keys.engine_requests("engine-a")) == 1
+    assert worker.read_work(10, None)[0].stream == keys.REQUESTS
+
+
 async def test_a_cleanly_stopped_engine_with_no_work_leaves_no_keys(
     worker: WorkerStore, redis_client: redis.Redis
 ) -> None:
@@ -642,31 +673,33 @@ def _lose_queued_items(redis_client: redis.Redis) -> None:
 
 
 async def test_a_followed_turn_left_queued_gets_its_work_item_again_once_it_has_waited(
-    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+    aredis: aioredis.Redis, clock: ManualClock, worker: WorkerStore, redis_client: redis.Redis
 ) -> None:
+    store = SessionStore(aredis, ttl_s=60, clock=clock)
     session, _ = await store.create(CHAT)
     _lose_queued_items(redis_client)
     assert (await store.touch({session: 1}, resend_after_s=0.3)).resent == []  # first seen
     assert (await store.touch({session: 1}, resend_after_s=0.3)).resent == []  # too soon
     assert (await store.touch({session: 1})).resent == []  # no check asked for
     assert worker.read_work(10, None) == []
-    time.sleep(0.35)  # the turn has now waited longer than resend_after_s
+    clock.advance(0.35)  # the turn has now waited longer than resend_after_s
     assert (await store.touch({session: 1}, resend_after_s=0.3)).resent == [(session, 1)]
     assert (await store.touch({session: 1}, resend_after_s=0.3)).resent == []  # once a period
     item, claimed = _claim_next(worker)
     assert claimed is not None and (claimed.session, claimed.turn) == (session, 1)
-    time.sleep(0.35)
+    clock.advance(0.35)
     assert (await store.touch({session: 1}, resend_after_s=0.3)).resent == []  # running now
     assert redis_client.hget(keys.meta(session), "queued_mark") is None
 
 
 async def test_a_resent_item_beside_the_original_runs_the_turn_once(
-    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+    aredis: aioredis.Redis, clock: ManualClock, worker: WorkerStore
 ) -> None:
     """The item was only slow, not lost: the duplicate's claim is refused."""
+    store = SessionStore(aredis, ttl_s=60, clock=clock)
     session, _ = await store.create(CHAT)
     await store.touch({session: 1}, resend_after_s=0.1)
-    time.sleep(0.15)
+    clock.advance(0.15)
     assert (await store.touch({session: 1}, resend_after_s=0.1)).resent == [(session, 1)]
     items = worker.read_work(10, None)
     assert [i.request for i in items] == [items[0].request] * 2
@@ -675,31 +708,32 @@ async def test_a_resent_item_beside_the_original_runs_the_turn_once(
 
 
 async def test_two_frontends_following_a_stuck_turn_resend_it_once_a_period(
-    aredis: aioredis.Redis, worker: WorkerStore, redis_client: redis.Redis
+    aredis: aioredis.Redis, clock: ManualClock, worker: WorkerStore, redis_client: redis.Redis
 ) -> None:
-    first, second = SessionStore(aredis, ttl_s=60), SessionStore(aredis, ttl_s=60)
+    first, second = (SessionStore(aredis, ttl_s=60, clock=clock) for _ in range(2))
     session, _ = await first.create(CHAT)
     _lose_queued_items(redis_client)
     await first.touch({session: 1}, resend_after_s=0.2)
-    time.sleep(0.25)
+    clock.advance(0.25)
     resent = [await s.touch({session: 1}, resend_after_s=0.2) for s in (second, first)]
     assert [r.resent for r in resent] == [[(session, 1)], []]
     assert len(worker.read_work(10, None)) == 1
 
 
 async def test_only_the_followed_latest_turn_while_queued_is_resent(
-    store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
+    aredis: aioredis.Redis, clock: ManualClock, worker: WorkerStore, redis_client: redis.Redis
 ) -> None:
+    store = SessionStore(aredis, ttl_s=60, clock=clock)
     session, token = await store.create(CHAT)
     _lose_queued_items(redis_client)
     await store.control(session, token, 1, "pause")  # queued --pause--> paused
     await store.touch({session: 1}, resend_after_s=0.1)
-    time.sleep(0.15)
+    clock.advance(0.15)
     assert (await store.touch({session: 1}, resend_after_s=0.1)).resent == []
     # Resumed: queued again, its item written in a second call that is lost too.
     await store.control(session, token, 1, "resume")
     _lose_queued_items(redis_client)
     await store.touch({session: 1}, resend_after_s=0.1)
-    time.sleep(0.15)
+    clock.advance(0.15)
     assert (await store.touch({session: 1}, resend_after_s=0.1)).resent == [(session, 1)]
     assert _claim_next(worker)[1] is not None
