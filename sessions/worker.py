@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 import redis
 
+from wsinfer.clock import Clock
 from wsinfer.sessions import keys, scripts
 from wsinfer.sessions.connect import is_cluster
 from wsinfer.sessions.schema import (
@@ -166,12 +167,24 @@ class PublishResult:
 
 
 class WorkerStore:
+    """The engine's session operations.
+
+    ``clock``: wall-clock seconds, as heartbeats and claim times are compared
+    across processes (a frontend's routing, another engine's takeover scan).
+    """
+
     def __init__(
-        self, client: redis.Redis, engine_id: str, *, ttl_s: int = DEFAULT_SESSION_TTL_S
+        self,
+        client: redis.Redis,
+        engine_id: str,
+        *,
+        ttl_s: int = DEFAULT_SESSION_TTL_S,
+        clock: Clock = time.time,
     ) -> None:
         self.redis = client
         self.engine_id = engine_id
         self.ttl_s = ttl_s
+        self.clock = clock
         self._claim = client.register_script(scripts.CLAIM)
         self._publish = client.register_script(scripts.PUBLISH)
         self._release = client.register_script(scripts.RELEASE)
@@ -207,7 +220,7 @@ class WorkerStore:
         batch has room for, so this, not its own waiting count, is the backlog.
         """
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zadd(keys.ENGINES, {self.engine_id: time.time()})
+        pipe.zadd(keys.ENGINES, {self.engine_id: self.clock()})
         if metrics is not None:
             pipe.set(keys.engine_metrics(self.engine_id), metrics, ex=METRICS_TTL_S)
         for key in (keys.ENGINES, keys.REQUESTS, self.own_queue):
@@ -294,7 +307,7 @@ class WorkerStore:
         return items
 
     def _dead_engines(self, silent_s: float) -> list[str]:
-        names = self.redis.zrangebyscore(keys.ENGINES, "-inf", time.time() - silent_s)
+        names = self.redis.zrangebyscore(keys.ENGINES, "-inf", self.clock() - silent_s)
         return [name for name in map(as_str, names) if name != self.engine_id]
 
     def _autoclaim(self, stream: str, min_idle_ms: int, count: int) -> list[WorkItem]:
@@ -331,7 +344,7 @@ class WorkerStore:
             meta=keys.meta(request.session),
             engine_id=self.engine_id,
             turn=request.turn,
-            now=int(time.time()),
+            now=int(self.clock()),
             allowed_from=statuses_arg(statuses),
             target=target(Action.CLAIM).value,
         )

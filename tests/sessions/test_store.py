@@ -404,6 +404,28 @@ async def test_a_dead_engines_own_queue_is_drained_by_the_others(
     assert redis_client.zscore(keys.ENGINES, "engine-a") is None  # forgotten once drained
 
 
+async def test_an_engine_is_dead_to_the_others_once_silent_by_their_clock(
+    aredis: aioredis.Redis, redis_client: redis.Redis
+) -> None:
+    """Far from the real time: workers that read ``time.time`` would never see
+    the heartbeat go stale (or would see it stale at once)."""
+    clock = ManualClock()
+    store = SessionStore(aredis, ttl_s=60, clock=clock)
+    silent, other = (WorkerStore(redis_client, e, ttl_s=60, clock=clock) for e in "ab")
+    silent.ensure_group()
+    silent.heartbeat()
+    assert redis_client.zscore(keys.ENGINES, "a") == clock()
+    session, token = await store.create(CHAT)
+    await _finish_turn(silent, session, kv=True)
+    assert int(redis_client.hget(keys.meta(session), "claimed_at")) == int(clock())
+    await store.add_turn(session, token, CHAT)  # routed to the engine holding the cache
+    clock.advance(59)
+    assert other.take_over_expired(min_idle_ms=60_000, count=10) == []  # heard from 59 s ago
+    clock.advance(2)
+    taken = other.take_over_expired(min_idle_ms=60_000, count=10)
+    assert [(t.request.session, t.request.turn) for t in taken] == [(session, 2)]
+
+
 async def test_no_routing_to_a_silent_engine(
     store: SessionStore, worker: WorkerStore, redis_client: redis.Redis
 ) -> None:
