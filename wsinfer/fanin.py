@@ -35,6 +35,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
+from wsinfer.clock import Clock
 from wsinfer.sessions import keys
 from wsinfer.sessions.connect import Backoff, is_cluster, is_outage
 from wsinfer.sessions.schema import (
@@ -91,7 +92,7 @@ class _Subscriber:
 @dataclass
 class _Stream:
     subscribers: dict[Hashable, _Subscriber] = field(default_factory=dict)
-    last_data: float = 0.0  # monotonic time of its last entries or subscription
+    last_data: float = 0.0  # the fan-in's clock at its last entries or subscription
 
     def position(self) -> str | None:
         if len(self.subscribers) == 1:  # the usual case, every stream every round
@@ -138,8 +139,18 @@ class _Waker:
 
 
 class FanIn:
-    def __init__(self, redis: aioredis.Redis, frontend_id: str, *, block_ms: int = 5000) -> None:
+    """``clock``: monotonic seconds, which say when a stream has gone quiet."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        frontend_id: str,
+        *,
+        block_ms: int = 5000,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.redis = redis
+        self.clock = clock
         # The XREADs' client (a cluster's fan-in reads through its own nodes).
         self.reader = redis if is_cluster(redis) else raw_xread_client(redis)
         self.block_ms = block_ms
@@ -205,7 +216,7 @@ class FanIn:
         entry = self.streams.get(stream)
         if entry is None:
             return
-        entry.last_data = time.monotonic()
+        entry.last_data = self.clock()
         self.cold.discard(stream)
         self.hot.add(stream)
 
@@ -252,7 +263,7 @@ class FanIn:
     async def _read_once(self) -> None:
         """One blocking XREAD of the hot streams (and the hot wake-up stream)."""
         await self._xread(self.hot, self._hot_waker)
-        now = time.monotonic()
+        now = self.clock()
         if now - self._demoted_at >= DEMOTE_EVERY_S:
             self._demote(now)
 
@@ -294,7 +305,7 @@ class FanIn:
         entry = self.streams.get(stream)
         if entry is None:
             return
-        entry.last_data = time.monotonic()
+        entry.last_data = self.clock()
         # Hot path (every delta of every followed turn): each id is parsed once.
         decoded = [(_id_key(entry_id), decode_event_payload(raw)) for entry_id, raw in entries]
         last_id, last_key = entries[-1][0], decoded[-1][0]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, cast
 
@@ -26,6 +27,7 @@ import redis.asyncio as aioredis
 import redis.asyncio.cluster as acluster
 import structlog
 
+from wsinfer.clock import Clock
 from wsinfer.fanin import Deliver, FanIn
 from wsinfer.sessions import keys
 from wsinfer.sessions.connect import async_node_client
@@ -113,8 +115,15 @@ class _NodeListener:
 
 
 class ClusterFanIn(FanIn):
-    def __init__(self, redis: aioredis.Redis, frontend_id: str, *, block_ms: int = 1000) -> None:
-        super().__init__(redis, frontend_id, block_ms=block_ms)
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        frontend_id: str,
+        *,
+        block_ms: int = 1000,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        super().__init__(redis, frontend_id, block_ms=block_ms, clock=clock)
         self.cluster = cast(acluster.RedisCluster, redis)
         self.listeners: dict[str, _NodeListener] = {}
         self._dirty: set[str] = set()  # sessions whose streams to read

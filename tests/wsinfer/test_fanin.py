@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 
 from tests.stack import until
 from wsinfer import fanin as fanin_module
+from wsinfer.clock import ManualClock
 from wsinfer.fanin import FanIn
 from wsinfer.sessions import keys
 from wsinfer.sessions.schema import DeltaEvent, TurnEvent, encode
@@ -35,11 +36,19 @@ class Recorder:
 
 
 @pytest.fixture
-async def fanin(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FanIn]:
+def clock() -> ManualClock:
+    """The fan-in's: a stream turns cold when a test says the time has passed."""
+    return ManualClock()
+
+
+@pytest.fixture
+async def fanin(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, clock: ManualClock
+) -> AsyncIterator[FanIn]:
     monkeypatch.setattr(fanin_module, "COLD_AFTER_S", QUIET_S)
     monkeypatch.setattr(fanin_module, "DEMOTE_EVERY_S", 0.0)
     client = aioredis.from_url(redis_url)
-    fan = FanIn(client, "f-test", block_ms=1000)
+    fan = FanIn(client, "f-test", block_ms=1000, clock=clock)
     task = asyncio.create_task(fan.run())
     yield fan
     task.cancel()
@@ -61,13 +70,23 @@ async def publish(fan: FanIn, stream: str, seq: int) -> None:
     await fan.redis.xadd(stream, encode(DeltaEvent(seq, f"t{seq}")))
 
 
-async def test_a_quiet_stream_turns_cold_and_back_hot_without_losing_entries(fanin: FanIn) -> None:
+def stay_quiet(fan: FanIn, clock: ManualClock) -> None:
+    """Let more than QUIET_S pass, and end the hot XREAD's block: the round
+    after it looks for quiet streams."""
+    clock.advance(QUIET_S + 0.01)
+    fan._request_wake()
+
+
+async def test_a_quiet_stream_turns_cold_and_back_hot_without_losing_entries(
+    fanin: FanIn, clock: ManualClock
+) -> None:
     stream = keys.turn_stream("s1", 1)
     seqs, deliver = collector()
     fanin.subscribe(stream, ("c", "s1"), "0-0", deliver)
     await publish(fanin, stream, 1)
     await until(lambda: seqs == [1])
     assert stream in fanin.hot
+    stay_quiet(fanin, clock)
     await until(lambda: stream in fanin.cold)  # quiet for QUIET_S
     for seq in (2, 3, 4):
         await publish(fanin, stream, seq)
@@ -78,11 +97,12 @@ async def test_a_quiet_stream_turns_cold_and_back_hot_without_losing_entries(fan
     assert seqs == [1, 2, 3, 4, 5]  # each once, in order, across both moves
 
 
-async def test_hot_rounds_do_not_name_a_cold_stream(fanin: FanIn) -> None:
+async def test_hot_rounds_do_not_name_a_cold_stream(fanin: FanIn, clock: ManualClock) -> None:
     recorder = Recorder(fanin.reader)
     busy, idle = keys.turn_stream("busy", 1), keys.turn_stream("idle", 1)
     busy_seqs, deliver_busy = collector()
     fanin.subscribe(idle, ("c", "idle"), "0-0", collector()[1])
+    stay_quiet(fanin, clock)
     await until(lambda: idle in fanin.cold)
     named_when_cold = recorder.naming(idle)
     fanin.subscribe(busy, ("c", "busy"), "0-0", deliver_busy)
@@ -95,18 +115,39 @@ async def test_hot_rounds_do_not_name_a_cold_stream(fanin: FanIn) -> None:
     assert len(recorder.calls) - named_when_cold > 50
 
 
-async def test_a_new_subscription_to_a_cold_stream_reads_it_hot(fanin: FanIn) -> None:
+async def test_a_new_subscription_to_a_cold_stream_reads_it_hot(
+    fanin: FanIn, clock: ManualClock
+) -> None:
     stream = keys.turn_stream("s2", 1)
     first, deliver_first = collector()
     fanin.subscribe(stream, ("a", "s2"), "0-0", deliver_first)
     await publish(fanin, stream, 1)
     await until(lambda: first == [1])
+    stay_quiet(fanin, clock)
     await until(lambda: stream in fanin.cold)
     second, deliver_second = collector()
     fanin.subscribe(stream, ("b", "s2"), "0-0", deliver_second)  # replays from the start
     assert stream in fanin.hot
     await until(lambda: second == [1])
     assert first == [1]
+
+
+async def test_quiet_is_measured_by_the_fan_in_s_clock(
+    fanin: FanIn, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An hour's quiet, in no time: a fan-in that read ``time.monotonic`` would
+    keep the stream hot."""
+    monkeypatch.setattr(fanin_module, "COLD_AFTER_S", 3600.0)
+    stream = keys.turn_stream("s3", 1)
+    seqs, deliver = collector()
+    fanin.subscribe(stream, ("c", "s3"), "0-0", deliver)
+    await publish(fanin, stream, 1)
+    await until(lambda: seqs == [1])
+    clock.advance(3600.5)
+    fanin._request_wake()
+    await until(lambda: stream in fanin.cold)
+    await publish(fanin, stream, 2)
+    await until(lambda: seqs == [1, 2] and stream in fanin.hot)
 
 
 @pytest.mark.parametrize("protocol", [2, 3])

@@ -39,6 +39,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from wsinfer.clock import ManualClock
 from wsinfer.fanin import FanIn, _id_key, raw_xread_client
 from wsinfer.fanin_cluster import ClusterFanIn
 from wsinfer.sessions import keys
@@ -141,6 +142,7 @@ class FanInMachine(RuleBasedStateMachine):
         self.redis = aioredis.from_url(self.redis_url)
         self.run(self.redis.flushdb())
         self.gate = Gate(self.loop)
+        self.clock = ManualClock()  # time passes only when the model says so
         self.fan = self._make_fanin()
         self.log: dict[str, list[int]] = {s: [] for s in STREAMS}  # entry n has id "n-0"
         self.ended: set[str] = set()
@@ -152,10 +154,10 @@ class FanInMachine(RuleBasedStateMachine):
 
     def _make_fanin(self) -> FanIn:
         if self.kind == "cluster":
-            fan: FanIn = ClusterFanIn(self.redis, "f-model")
+            fan: FanIn = ClusterFanIn(self.redis, "f-model", clock=self.clock)
             fan.cluster = GatedCluster(self.gate, self.redis)  # type: ignore[attr-defined]
         else:
-            fan = FanIn(self.redis, "f-model")
+            fan = FanIn(self.redis, "f-model", clock=self.clock)
             fan.reader = GatedReader(self.gate, raw_xread_client(self.redis))  # type: ignore[assignment]
         # Wake-ups only make a blocked read return early: here the test decides when.
         fan._hot_waker.request = lambda: None  # type: ignore[method-assign]
@@ -353,7 +355,7 @@ class FanInMachine(RuleBasedStateMachine):
     @rule()
     def time_passes(self) -> None:
         """Every hot stream has been quiet long enough to turn cold."""
-        self.fan._demote(time.monotonic() + 3600)
+        self.fan._demote(self.clock.advance(3600))
         EXPLORED[self.kind].steps += 1
 
     # --- the checks -------------------------------------------------------------------
