@@ -12,8 +12,9 @@ that the next step waits for. Two tables, each decoder measured in the same run:
   ``--rounds``) and the byte decoder's speed-up over the window decoder;
 - the engine (the tiny test model, so that the forward stays small; 32 tokens a
   row, a stop string each): host time of handing out a step's tokens (the
-  core's ``_process``: accepting, detokenizing, building the outputs) per step
-  and per row, at each ``--rows`` batch size.
+  core's ``_collect`` and ``_after_forward``: reading the draws, accepting,
+  detokenizing, building the outputs) per step and per row, at each ``--rows``
+  batch size.
 """
 
 from __future__ import annotations
@@ -53,17 +54,21 @@ def hand_out_cost(loaded: LoadedModel, rows: int, byte_level: bool) -> tuple[flo
     core = build_core(loaded, EngineConfig(max_batch_size=rows))
     assert isinstance(core, EngineCore)
     if not byte_level:
-        core.detokenizers.pieces = None  # every turn gets the window decoder
-    process, spent = core._process, [0.0]
+        core.output.detokenizers.pieces = None  # every turn gets the window decoder
+    spent = [0.0]
 
-    def timed(launch: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return process(launch)
-        finally:
-            spent[0] += time.perf_counter() - started
+    def timed(method: Any) -> Any:
+        def run(*args: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                spent[0] += time.perf_counter() - started
 
-    core._process = timed  # type: ignore[method-assign]
+        return run
+
+    core._collect = timed(core._collect)  # type: ignore[method-assign]
+    core._after_forward = timed(core._after_forward)  # type: ignore[method-assign]
     ids = list(loaded.tokenizer.encode("Tell me a story about a dragon."))
     for row in range(rows):
         params = GenerationParams(
@@ -75,7 +80,7 @@ def hand_out_cost(loaded: LoadedModel, rows: int, byte_level: bool) -> tuple[flo
     while core.has_unfinished():
         core.step()
         steps += 1
-    del core._process  # no cycle keeps this core (and its KV pool) alive
+    del core._collect, core._after_forward  # no cycle keeps this core (and its pool) alive
     return spent[0] / steps * 1e3, spent[0] / steps / rows * 1e6
 
 

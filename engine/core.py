@@ -4,27 +4,29 @@ Knows nothing of transport: ``add`` / ``abort`` requests, call ``step`` in a
 loop, publish its outputs. Each step (``lifecycle.CoreBase.step``)
 
 1. ends pending aborts and pauses (their KV is retained in the pool);
-2. asks the ``scheduler.Scheduler`` what to run: it admits waiting requests
-   while the batch and the pool have room, starting from a session's retained
-   KV where it matches, or from the longest prefix of whole blocks any earlier
-   prompt left in the pool (automatic prefix caching), gives every running row
-   a KV slot (preempting a row when the pool is full) and picks the newcomers'
-   prefill chunks;
-3. launches, through the ``runner.ModelRunner``, one decode step for every
+2. asks the ``scheduler.Scheduler`` for the step's plan (``ScheduledStep``): it
+   admits waiting requests while the batch and the pool have room, starting
+   from a session's retained KV where it matches, or from the longest prefix
+   of whole blocks any earlier prompt left in the pool (automatic prefix
+   caching), gives every running row a KV slot (preempting a row when the pool
+   is full) and picks the newcomers' prefill chunks;
+3. has the ``runner.ModelRunner`` execute the plan: one decode step for every
    running row (a captured CUDA graph on a GPU: the model, paged attention and
    sampling, no host sync) and one prefill forward over up to
-   ``prefill_chunk_tokens`` newcomer tokens, then tells the scheduler what ran;
-4. hands out the tokens of a step: on a GPU those of the step before, while
-   this one runs (``async_steps``), so detokenizing and publishing never
-   leave the GPU idle; on CPU those of this step.
+   ``prefill_chunk_tokens`` newcomer tokens (a ``runner.Launch``, its draws on
+   their way to the host);
+4. hands the scheduler one ``StepResult`` (``Scheduler.update``): what was
+   launched, and the draws that reached the host: on a GPU those of the step
+   before, while this one runs (``async_steps``), so detokenizing and
+   publishing never leave the GPU idle; on CPU those of this step;
+5. hands those draws to the lifecycle (``CoreBase._accept``), whose output
+   processor turns each into its ``RequestOutput``.
 
 Only Llama-family models run here (``llama.FastLlama``); ``build_core`` falls
 back to ``EagerEngineCore`` for any other transformers model.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import structlog
 import torch
@@ -37,12 +39,11 @@ from .grammar import Grammars
 from .kvpool import KVHandles, KVPool
 from .lifecycle import CoreBase, EngineConfig, EngineRequest, RequestOutput, Sequence
 from .llama import FastLlama, UnsupportedModel, fast_model_for
-from .logprobs import HostLogprobs, host_copy
 from .model import LoadedModel
 from .quant import cpu_quantized_model
-from .runner import ModelRunner
-from .sampling import RowSampling, Variant, to_device, variant_of
-from .scheduler import PagedSequence, ScheduledStep, Scheduler
+from .runner import Launch, ModelRunner
+from .sampling import Variant, to_device, variant_of
+from .scheduler import PagedSequence, Sampled, Scheduler, StepResult
 from .stats import CoreStats, kept_caches
 
 __all__ = ["EngineConfig", "EngineCore", "EngineRequest", "RequestOutput", "build_core"]
@@ -50,19 +51,6 @@ __all__ = ["EngineConfig", "EngineCore", "EngineRequest", "RequestOutput", "buil
 log = structlog.get_logger("wsinfer.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192
-
-
-@dataclass
-class _Launch:
-    """One step's sampled tokens: which sequence each belongs to, and their host copy."""
-
-    decode: list[PagedSequence | None]  # by row; None: the row computed nothing useful
-    prefilled: list[PagedSequence]  # at last_tokens[max_rows + j]
-    host: torch.Tensor
-    event: torch.cuda.Event | None  # the step's end on the GPU (CUDA only)
-    start: torch.cuda.Event | None = None  # its start on the GPU
-    previous_end: torch.cuda.Event | None = None  # the end of the step launched before
-    logprobs: tuple[torch.Tensor, ...] | None = None  # host copies, when a row asked
 
 
 class EngineCore(CoreBase):
@@ -91,17 +79,14 @@ class EngineCore(CoreBase):
             cfg.graph_batch_sizes, sorted(loaded.eos_token_ids),
         )  # fmt: skip
         self.async_steps = on_cuda if cfg.async_steps is None else cfg.async_steps
-        self._launched: _Launch | None = None  # this step's, until handed on
-        self._pending: _Launch | None = None  # async steps: the last step's, not yet handed out
+        self._pending: Launch | None = None  # async steps: the last step's, not yet handed out
+        self._sampled: list[Sampled] = []  # this step's draws on the host, to hand out
         self._variant: Variant | None = None  # of the decode rows; None: recompute
-        self._hosts = [self._host_buffer() for _ in range(2)]
-        self._flip = 0
         self.graph_capture_seconds = 0.0
         # GPU time spent waiting for the host between steps (CUDA): what async steps and
         # pipelined publishing are meant to keep near zero.
         self.gpu_idle_seconds = 0.0
         self.steps = 0
-        self._last_end: torch.cuda.Event | None = None
         if cfg.cuda_graphs if cfg.cuda_graphs is not None else on_cuda:
             self.graph_capture_seconds = self.runner.capture_graphs(
                 lambda line: log.info(line, pool_blocks=self.pool.num_blocks)
@@ -147,10 +132,6 @@ class EngineCore(CoreBase):
             model.num_layers, blocks, cfg.block_size, model.num_kv_heads, model.head_dim,
             model.dtype, model.device, idle,
         )  # fmt: skip
-
-    def _host_buffer(self) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        return torch.zeros(2 * self.config.max_batch_size, dtype=torch.long, pin_memory=pin)
 
     # --- public API ---------------------------------------------------------------
 
@@ -208,19 +189,29 @@ class EngineCore(CoreBase):
     # --- the step (``CoreBase.step``) --------------------------------------------------
 
     def _forward(self) -> list[RequestOutput]:
-        """Launch this step; its tokens are handed out by ``_after_forward``."""
-        self._launched = self._launch()
+        """Schedule and launch this step, and apply its result: what it launched, and
+        the draws that reached the host (those of the step before, with async steps,
+        while this one runs); ``_after_forward`` hands those out. A device fault that
+        surfaces at the draws' sync fails the step, as one in the forward does."""
+        launched = self._launch()
+        if self.async_steps:
+            arrived, self._pending = self._pending, launched
+        else:
+            arrived = launched
+        if launched is None and arrived is None:
+            return []
+        result = launched.result() if launched is not None else StepResult()
+        if arrived is not None:
+            result.sampled = self._collect(arrived)
+        self.scheduler.update(result)
+        self._joined(result.joined)
+        self._sampled = result.sampled
         return []
 
     def _after_forward(self) -> list[RequestOutput]:
-        """Hand out the tokens of the step before (async steps) or of this one; a failed
-        launch left none (and ``_fail_all`` dropped the pending one)."""
-        launch, self._launched = self._launched, None
-        if self.async_steps:
-            previous, self._pending = self._pending, launch
-        else:
-            previous = launch
-        return self._process(previous) if previous is not None else []
+        """Hand out the draws that reached the host; a failed step left none."""
+        sampled, self._sampled = self._sampled, []
+        return [self._accept(s.seq, s.token, s.logprob) for s in sampled if not s.seq.status.ended]
 
     # --- admission -----------------------------------------------------------------
 
@@ -239,38 +230,30 @@ class EngineCore(CoreBase):
 
     # --- launching a step ------------------------------------------------------------
 
-    def _launch(self) -> _Launch | None:
-        step = self.scheduler.schedule()
-        self._track_repetition(step.admitted)
-        if step.empty:
+    def _launch(self) -> Launch | None:
+        """The scheduler's plan, run by the runner; None: nothing to run."""
+        plan = self.scheduler.schedule()
+        self._track_repetition(plan.admitted)
+        if plan.empty:
             return None
-        start = _timing_event() if self.device.type == "cuda" else None
-        decode = step.decode
-        logprobs = False
-        if decode:
-            rows = self.scheduler.rows
+        rows = self.scheduler.rows
+        if plan.decode:
             self._variant = self._variant or variant_of([s.request.params for s in rows.seqs])
-            logprobs = any(s is not None and s.request.params.logprobs for s in decode)
-            allowed = self.grammars.bitmask([s.constraint if s else None for s in decode])
-            self.runner.decode(rows, self._variant, logprobs, allowed)
-            self.scheduler.decoded(decode)
-        prefilled = self._run_prefill(step) if step.prefill else []
-        logprobs = logprobs or any(s.request.params.logprobs for s in prefilled)
-        launch = self._record(decode, prefilled, logprobs)
-        launch.start, launch.previous_end = start, self._last_end
-        self._last_end = launch.event
-        return launch
+        return self.runner.execute(plan, rows, self._variant, self.grammars)
 
-    def _run_prefill(self, step: ScheduledStep) -> list[PagedSequence]:
-        complete = step.completing
-        draws = [RowSampling(s.request.params, s.seed, s.num_generated) for s in complete]
-        logprobs = any(s.request.params.logprobs for s in complete)
-        allowed = self.grammars.bitmask([s.constraint for s in complete])
-        self.runner.prefill(step.prefill, draws, logprobs, allowed)
-        base = self.runner.max_rows  # where the runner put their first tokens
-        joined = self.scheduler.prefilled(step.prefill, base)
+    def _collect(self, launch: Launch) -> list[Sampled]:
+        """``launch``'s draws, once on the host (the step's one sync)."""
+        sampled = launch.collect()
+        self.gpu_idle_seconds += launch.idle_before()
+        self.steps += 1
+        return sampled
+
+    def _joined(self, joined: list[PagedSequence]) -> None:
+        """Newcomers took decode rows (their first draw at the runner's ``max_rows + j``):
+        the runner's per-row state follows, and the rows' sampling variant is redone."""
         if joined:
-            self._variant = None  # the rows' sampling parameters changed
+            self._variant = None
+        base = self.runner.max_rows
         for j, seq in enumerate(joined):
             params = seq.request.params
             if params.repetition_penalty == 1.0 and not params.counts_tokens:
@@ -281,49 +264,6 @@ class EngineCore(CoreBase):
             if params.counts_tokens:  # the turn's tokens: those after its prompt
                 turn = seq.tokens[len(seq.request.prompt_ids) :]
                 self.runner.reset_counts(seq.row, turn, base + j)
-        return joined
-
-    def _record(
-        self, decode: list[PagedSequence | None], prefilled: list[PagedSequence], logprobs: bool
-    ) -> _Launch:
-        """Start copying the step's tokens (and log-probabilities, if a row asked) to the
-        host; the step's only sync waits for it."""
-        host = self._hosts[self._flip]
-        self._flip ^= 1
-        last = self.runner.last_tokens
-        n = len(last) if prefilled else len(decode)
-        host[:n].copy_(last[:n], non_blocking=True)
-        copies = host_copy(self.runner.logprobs, n) if logprobs else None
-        event = _timing_event() if self.device.type == "cuda" else None
-        return _Launch(decode, prefilled, host, event, logprobs=copies)
-
-    # --- handing out tokens -------------------------------------------------------------
-
-    def _process(self, launch: _Launch) -> list[RequestOutput]:
-        if launch.event is not None:
-            launch.event.synchronize()
-            self._count_idle(launch)
-        self.steps += 1
-        tokens = launch.host.tolist()
-        base = self.runner.max_rows
-        rows = [(s, i) for i, s in enumerate(launch.decode) if s is not None]
-        rows += [(s, base + j) for j, s in enumerate(launch.prefilled)]
-        logprobs = HostLogprobs(launch.logprobs) if launch.logprobs is not None else None
-        outputs = []
-        for seq, i in rows:
-            if not seq.status.ended:  # not ended or aborted since the launch
-                self.scheduler.token_received(seq)
-                params = seq.request.params
-                lp = None
-                if logprobs is not None and params.logprobs:
-                    lp = logprobs.at(i, tokens[i], params.top_logprobs)
-                outputs.append(self._accept(seq, tokens[i], lp))
-        return outputs
-
-    def _count_idle(self, launch: _Launch) -> None:
-        if launch.start is not None and launch.previous_end is not None:
-            gap = launch.previous_end.elapsed_time(launch.start) / 1000
-            self.gpu_idle_seconds += max(0.0, gap)
 
     # --- leaving ------------------------------------------------------------------------
 
@@ -343,14 +283,8 @@ class EngineCore(CoreBase):
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         failed = self.scheduler.running_and_prefilling()
-        self._pending = None
+        self._pending, self._sampled = None, []
         return self._faulted(failed, message)
-
-
-def _timing_event() -> torch.cuda.Event:
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 def build_core(

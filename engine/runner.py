@@ -9,6 +9,11 @@ needs them only to detokenize and publish, which it does while the GPU already
 runs the next step.
 
 Prefill runs eagerly, several newcomers' chunks in one forward.
+
+``execute`` runs one ``scheduler.ScheduledStep`` (the decode rows, then the
+prefill pieces) and starts copying its draws to the host: its ``Launch`` is
+the step in flight, ``Launch.collect`` the draws once they are there (the
+step's one host sync).
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ from wsinfer.sessions.schema import GenerationParams
 from .attention import decode_attention, prefill_softcapped_attention
 from .attention_cpu import InvariantAttention, TiledAttention
 from .batch import DecodeRows, PrefillPiece
-from .grammar import apply_bitmask
+from .grammar import Grammars, apply_bitmask
 from .kvpool import KVPool
 from .llama import FastLlama
-from .logprobs import LogprobBuffers, model_logprobs
+from .logprobs import HostLogprobs, LogprobBuffers, host_copy, model_logprobs
 from .native import on_native_path, paged_attention
 from .sampler import sample_tokens
 from .sampling import (
@@ -46,6 +51,7 @@ from .sampling import (
     upload,
     variant_of,
 )
+from .scheduler import Sampled, ScheduledStep, StepResult
 
 log = logging.getLogger("wsinfer.engine.runner")
 
@@ -242,6 +248,51 @@ def _prefill_mask(query_pos: torch.Tensor, columns: int, device: torch.device) -
     return upload(mask.unsqueeze(1), device)
 
 
+@dataclass
+class Launch:
+    """One launched step: which sequence each sampled token belongs to, and the host
+    copy of the tokens (and of their log-probabilities, when a row asked) on its way."""
+
+    decode: list[Any]  # by row; None: the row computed nothing useful
+    pieces: list[PrefillPiece]  # the prefill pieces computed
+    prefilled: list[Any]  # the newcomers that drew a token, at ``first_token_at + j``
+    first_token_at: int
+    host: torch.Tensor
+    event: torch.cuda.Event | None  # the step's end on the GPU (CUDA only)
+    start: torch.cuda.Event | None = None  # its start on the GPU
+    previous_end: torch.cuda.Event | None = None  # the end of the step launched before
+    logprobs: tuple[torch.Tensor, ...] | None = None  # host copies, when a row asked
+
+    def result(self) -> StepResult:
+        """What it launched, for ``Scheduler.update`` (the draws: ``collect``'s)."""
+        return StepResult(self.decode, self.pieces, self.first_token_at)
+
+    def collect(self) -> list[Sampled]:
+        """The draws, once on the host, of the sequences not ended since the launch."""
+        if self.event is not None:
+            self.event.synchronize()
+        tokens = self.host.tolist()
+        base = self.first_token_at
+        rows = [(s, i) for i, s in enumerate(self.decode) if s is not None]
+        rows += [(s, base + j) for j, s in enumerate(self.prefilled)]
+        logprobs = HostLogprobs(self.logprobs) if self.logprobs is not None else None
+        sampled = []
+        for seq, i in rows:
+            if seq.status.ended:  # ended or aborted since the launch
+                continue
+            params, lp = seq.request.params, None
+            if logprobs is not None and params.logprobs:
+                lp = logprobs.at(i, tokens[i], params.top_logprobs)
+            sampled.append(Sampled(seq, tokens[i], lp))
+        return sampled
+
+    def idle_before(self) -> float:
+        """Seconds the GPU waited for the host between the step before and this one."""
+        if self.start is None or self.previous_end is None:
+            return 0.0
+        return max(0.0, self.previous_end.elapsed_time(self.start) / 1000)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -277,6 +328,55 @@ class ModelRunner:
         self._flip = 0
         self.graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = {}
         self.padded = False  # decode in graph buckets (with or without captured graphs)
+        # Where a step's draws are copied to, two in turn (async steps: the last step's
+        # copy may still be read while this one's is written); pinned on CUDA.
+        pin = device.type == "cuda"
+        size = len(self.last_tokens)
+        self._hosts = [torch.zeros(size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._host_flip = 0
+        self._last_end: torch.cuda.Event | None = None
+
+    # --- a step ----------------------------------------------------------------
+
+    def execute(
+        self, plan: ScheduledStep, rows: DecodeRows, variant: Variant | None, grammars: Grammars
+    ) -> Launch:
+        """Run ``plan``: one decode step over ``rows`` (``variant``: their sampling's,
+        given when the plan decodes), then one prefill forward over its pieces; each
+        draw held to its sequence's grammar. The draws stay on the device, their copy
+        to the host started."""
+        start = _timing_event() if self.device.type == "cuda" else None
+        decode, complete = plan.decode, plan.completing
+        logprobs = False
+        if decode:
+            assert variant is not None
+            logprobs = any(s is not None and s.request.params.logprobs for s in decode)
+            allowed = grammars.bitmask([s.constraint if s else None for s in decode])
+            self.decode(rows, variant, logprobs, allowed)
+        if plan.prefill:
+            draws = [RowSampling(s.request.params, s.seed, s.num_generated) for s in complete]
+            asked = any(s.request.params.logprobs for s in complete)
+            allowed = grammars.bitmask([s.constraint for s in complete])
+            self.prefill(plan.prefill, draws, asked, allowed)
+            logprobs = logprobs or asked
+        launch = self._record(decode, plan.prefill, complete, logprobs)
+        launch.start, launch.previous_end = start, self._last_end
+        self._last_end = launch.event
+        return launch
+
+    def _record(
+        self, decode: list[Any], pieces: list[PrefillPiece], prefilled: list[Any], logprobs: bool
+    ) -> Launch:
+        """Start copying the step's tokens (and log-probabilities, if a row asked) to the
+        host; the step's only sync waits for it."""
+        host = self._hosts[self._host_flip]
+        self._host_flip ^= 1
+        last = self.last_tokens
+        n = len(last) if prefilled else len(decode)
+        host[:n].copy_(last[:n], non_blocking=True)
+        copies = host_copy(self.logprobs, n) if logprobs else None
+        event = _timing_event() if self.device.type == "cuda" else None
+        return Launch(decode, pieces, prefilled, self.max_rows, host, event, logprobs=copies)
 
     # --- decode ----------------------------------------------------------------
 
@@ -558,3 +658,9 @@ class _Staging:
         self.tables = self.tables_t.numpy()
         self.floats = self.floats_t.numpy()
         self.ints = self.ints_t.numpy()
+
+
+def _timing_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

@@ -16,14 +16,17 @@ blocks of the KV pool each sequence holds. ``schedule`` plans a step:
    blocks any earlier prompt left in the pool (automatic prefix caching,
    ``blocks.BlockAllocator``: shared read-only, whatever the session).
 
-The core reports back what ran: ``decoded`` (each scheduled row has one more
-token on the device), ``prefilled`` (the pieces' KV is in; the newcomers they
-complete join the decode batch and are returned), ``token_received`` (a token
-reached the host); and a sequence's end: ``retain`` then ``remove``.
+One object crosses each boundary of a step: ``schedule`` returns the plan
+(``ScheduledStep``), the runner executes it, and the core hands back one
+``StepResult`` to ``update``: what the runner launched (each scheduled row one
+token further on the device; the prefill pieces' KV in, the newcomers they
+complete joining the decode batch) and the draws that reached the host at that
+step (its own, or with async steps the step before's). A sequence's end is the
+lifecycle's: ``retain`` then ``remove``.
 
 No model and no runner here: the runner's own per-row state (the
 repetition-penalty masks) is the core's to keep in step. It learns which
-sequences were admitted and which joined from ``schedule`` and ``prefilled``;
+sequences were admitted from the plan and which joined from the result;
 a row leaving can happen deep inside scheduling (a preemption), so that it
 hears through ``on_leave``.
 """
@@ -41,6 +44,7 @@ from .blocks import ROOT
 from .kvbuffer import common_prefix
 from .kvpool import KVHandles, KVPool
 from .lifecycle import EngineConfig, Sequence
+from .logprobs import TokenLogprob
 from .requests import SequenceStatus
 
 log = structlog.get_logger("wsinfer.engine")
@@ -90,6 +94,29 @@ class ScheduledStep:
     def completing(self) -> list[PagedSequence]:
         """The newcomers whose prompt this step's prefill completes: they draw a token."""
         return completing(self.prefill)
+
+
+@dataclass
+class Sampled:
+    """One draw that reached the host: ``seq``'s next token (and its log-probability,
+    where the turn asked)."""
+
+    seq: PagedSequence
+    token: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass
+class StepResult:
+    """What a step gives back to ``Scheduler.update``: the work the runner launched for
+    its plan, and the draws that reached the host at it (this step's own; with async
+    steps, the step before's, while this one runs)."""
+
+    decode: list[PagedSequence | None] = field(default_factory=list)  # the plan's rows
+    prefill: list[PrefillPiece] = field(default_factory=list)  # the plan's pieces
+    first_token_at: int = 0  # where the complete pieces' draws are on the device
+    sampled: list[Sampled] = field(default_factory=list)  # of sequences not ended
+    joined: list[PagedSequence] = field(default_factory=list)  # set by ``update``
 
 
 def completing(pieces: list[PrefillPiece]) -> list[PagedSequence]:
@@ -143,29 +170,17 @@ class Scheduler:
         prefill = self._schedule_prefill()
         return ScheduledStep(decode, prefill, admitted)
 
-    def decoded(self, decode: list[PagedSequence | None]) -> None:
-        """The runner launched ``decode`` (``ScheduledStep.decode``): each of its rows
-        has one more token computed, and sampled on the device."""
-        self._advance_rows(decode)
-
-    def prefilled(self, pieces: list[PrefillPiece], first_token_at: int) -> list[PagedSequence]:
-        """The runner computed ``pieces``; those that complete their prompt (the
-        first ones) drew their first token into ``last_tokens[first_token_at + j]``
-        and now join the decode batch. Returns them, in that order."""
-        complete = completing(pieces)
-        for piece in pieces:
-            piece.seq.computed = piece.end
-            self.prefill_tokens += piece.end - piece.start
-            self._register_full_blocks(piece.seq)
-        for j, seq in enumerate(complete):
-            self._prefilling.remove(seq)
-            self._join_batch(seq, first_token_at + j)
-        return complete
-
-    def token_received(self, seq: PagedSequence) -> None:
-        """One of ``seq``'s sampled tokens reached the host (before it is accepted)."""
-        self._register_full_blocks(seq)
-        seq.pending -= 1
+    def update(self, result: StepResult) -> None:
+        """Apply a step's result: each decode row has one more token computed (and
+        sampled on the device); the prefill pieces' KV is in, and those that complete
+        their prompt (the first ones) drew their first token into the runner's
+        ``first_token_at + j`` and join the decode batch (``result.joined``, in that
+        order); then the draws that reached the host."""
+        self._advance_rows(result.decode)
+        result.joined = self._prefilled(result.prefill, result.first_token_at)
+        for sampled in result.sampled:  # before they are accepted
+            self._register_full_blocks(sampled.seq)
+            sampled.seq.pending -= 1
 
     def running_and_prefilling(self) -> list[PagedSequence]:
         """The sequences a failed forward may have half-computed: the decode rows, then
@@ -368,6 +383,17 @@ class Scheduler:
                 rows.src[row] = row
 
     # --- prefill ------------------------------------------------------------------------
+
+    def _prefilled(self, pieces: list[PrefillPiece], first_token_at: int) -> list[PagedSequence]:
+        complete = completing(pieces)
+        for piece in pieces:
+            piece.seq.computed = piece.end
+            self.prefill_tokens += piece.end - piece.start
+            self._register_full_blocks(piece.seq)
+        for j, seq in enumerate(complete):
+            self._prefilling.remove(seq)
+            self._join_batch(seq, first_token_at + j)
+        return complete
 
     def _schedule_prefill(self) -> list[PrefillPiece]:
         """Chunks of newcomers within the step's token budget; those that finish first."""

@@ -1,9 +1,9 @@
 """The paged core's scheduler without a model: admission, prefill chunks, KV blocks,
 preemption, eviction and prefix sharing, on a tiny CPU pool (blocks of 4 tokens).
 
-The helpers play the core's part: ``launch`` is what ``EngineCore._launch`` tells
-the scheduler around the runner's work, ``hand_out`` what ``_process`` does once
-the sampled tokens reach the host (each token here is ``TOKEN``).
+The helpers play the core's part: ``launch`` is the ``StepResult`` of a step whose
+plan the runner ran, ``hand_out`` that of a step at which its sampled tokens reached
+the host (each token here is ``TOKEN``), then what the lifecycle does with them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from wsinfer.engine.lifecycle import EngineConfig, EngineRequest
 from wsinfer.engine.scheduler import (
     SHARED_PREFIX_WAIT_TOKENS,
     PagedSequence,
+    Sampled,
     ScheduledStep,
     Scheduler,
+    StepResult,
 )
 from wsinfer.sessions.schema import GenerationParams
 
@@ -61,14 +63,14 @@ def seq(
 
 def launch(s: Scheduler) -> ScheduledStep:
     step = s.schedule()
-    s.decoded(step.decode)
-    s.prefilled(step.prefill, first_token_at=s.rows.max_rows)
+    s.update(StepResult(step.decode, step.prefill, first_token_at=s.rows.max_rows))
     return step
 
 
 def hand_out(s: Scheduler, step: ScheduledStep) -> None:
-    for q in [q for q in step.decode if q is not None] + step.completing:
-        s.token_received(q)
+    arrived = [q for q in step.decode if q is not None] + step.completing
+    s.update(StepResult(sampled=[Sampled(q, TOKEN) for q in arrived]))
+    for q in arrived:
         q.tokens.append(TOKEN)
         q.num_generated += 1
 
