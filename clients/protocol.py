@@ -77,6 +77,7 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "id": (str, int),
     "logprobs": list,
     "tool_calls": list,
+    "tool_call_parts": list,
     "error": Mapping,
     "code": str,
     "message": str,
@@ -156,8 +157,11 @@ class TextDelta:
     seq: int
     # With params.logprobs: the entries of this text's tokens (docs/protocol.md).
     logprobs: tuple[dict[str, Any], ...] = ()
-    # With params.tools: the calls the model completed here, in OpenAI's shape.
+    # With params.tools: the calls the model completed here, in OpenAI's shape; and
+    # for a turn held to its calls, the parts of calls drawn here (each call's
+    # arguments as they are drawn: docs/protocol.md "Tool calling").
     tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_parts: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -211,8 +215,10 @@ class TurnState:
     parts: list[str] = field(default_factory=list)
     # With params.logprobs: every token's entry so far, in order.
     logprobs: list[dict[str, Any]] = field(default_factory=list)
-    # With params.tools: every call the model made so far, in order.
+    # With params.tools: every call the model made so far, in order; and for a turn
+    # held to its calls, each call as drawn so far, by index (its parts joined).
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    drawn_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     status: TurnStatus | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
@@ -351,7 +357,20 @@ class TurnState:
         self.logprobs.extend(entries)
         calls = tuple(msg.get("tool_calls") or ())
         self.tool_calls.extend(calls)
-        return TextDelta(text, seq, entries, calls)
+        drawn = tuple(msg.get("tool_call_parts") or ())
+        for part in drawn:
+            self._draw(part)
+        return TextDelta(text, seq, entries, calls, drawn)
+
+    def _draw(self, part: dict[str, Any]) -> None:
+        """A call's part added to the call as drawn so far."""
+        function = part["function"]
+        call = self.drawn_calls.setdefault(
+            part["index"],
+            {"index": part["index"], "id": part["id"], "type": "function",
+             "function": {"name": function.get("name", ""), "arguments": ""}},
+        )  # fmt: skip
+        call["function"]["arguments"] += function["arguments"]
 
     def _apply_done(self, msg: DoneMessage) -> TurnEnded:
         self.finish_reason = msg["finish_reason"] or "stop"

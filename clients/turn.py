@@ -106,6 +106,13 @@ class Turn:
         return self.state.tool_calls
 
     @property
+    def drawn_calls(self) -> list[dict[str, Any]]:
+        """A turn held to its calls (``tool_choice`` required or a named function):
+        each call as the model has drawn it so far, in the shape of ``tool_calls``,
+        its ``arguments`` growing with each delta (JSON only once the call is whole)."""
+        return [self.state.drawn_calls[i] for i in sorted(self.state.drawn_calls)]
+
+    @property
     def status(self) -> str | None:
         """``queued``, ``running``, ``paused`` or ``done``, as the server last said."""
         return None if self.state.status is None else self.state.status.value

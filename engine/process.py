@@ -514,6 +514,7 @@ def _delta(
         logprobs=logprobs,
         raw=out.raw,
         tool_calls=out.tool_calls,
+        tool_call_parts=out.tool_call_parts,
     )
 
 

@@ -70,10 +70,12 @@ class RequestOutput:
     error: TurnError | None = None  # with finish_reason "error": its code, chosen here
     # With params.logprobs: one per new token but end-of-sequence ones (not content).
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    # A turn with tools: what the model wrote, where ``text`` differs from it, and the
-    # calls completed here, in OpenAI's shape.
+    # A turn with tools: what the model wrote, where ``text`` differs from it, the
+    # calls completed here, in OpenAI's shape, and (a turn held to its calls) the
+    # parts of calls drawn here (``wsinfer.tools.CallStream``).
     raw: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    tool_call_parts: list[dict[str, Any]] | None = None
 
     @property
     def finished(self) -> bool:

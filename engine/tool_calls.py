@@ -38,16 +38,19 @@ def call_parser(request: EngineRequest, fmt: ToolFormat) -> CallParser | None:
     ask = request.tool_calls
     if ask is None:
         return None
-    parser = fmt.parser(tool_names(request.params.tools), ask.call_id_prefix)
+    # Held to its calls by a grammar, a turn's calls cannot turn out to be text: their
+    # arguments are handed out as drawn.
+    streams = request.params.tool_format is not None
+    parser = fmt.parser(tool_names(request.params.tools), ask.call_id_prefix, streams)
     parser.feed(ask.published)
     return parser
 
 
 def split_calls(parser: CallParser, out: RequestOutput) -> RequestOutput:
-    """``out``, the next output of ``parser``'s turn, with its text split into content
-    and completed calls (in place). What may begin a call stays held until a later
-    output, or the turn's last one that has text or a token (a stopped turn's last
-    output has neither, and so no delta of its own to carry it)."""
+    """``out``, the next output of ``parser``'s turn, with its text split into content,
+    completed calls and the parts of calls drawn (in place). What may begin a call
+    stays held until a later output, or the turn's last one that has text or a token
+    (a stopped turn's last output has neither, and so no delta of its own to carry it)."""
     if out.new_token_ids or out.text:
         parsed = parser.feed(out.text)
         if out.finished:
@@ -55,6 +58,7 @@ def split_calls(parser: CallParser, out: RequestOutput) -> RequestOutput:
         if parsed.content != out.text:
             out.raw = out.text
         out.text, out.tool_calls = parsed.content, parsed.calls or None
+        out.tool_call_parts = parsed.parts or None
     # It ended by itself after calling: OpenAI's reason.
     if out.finished and (out.finish_reason or "stop") == "stop" and parser.count:
         out.finish_reason = "tool_calls"

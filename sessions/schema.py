@@ -421,14 +421,24 @@ class DeltaEvent:
     # token is none), in OpenAI's chat shape: {"token", "logprob", "bytes", "top_logprobs"}.
     logprobs: list[dict[str, Any]] | None = None
     # A turn with tools: ``text`` is its content (calls taken out), ``raw`` what the
-    # model wrote where that differs (the conversation's next prompt renders it), and
-    # ``tool_calls`` the calls completed here, in OpenAI's shape.
+    # model wrote where that differs (the conversation's next prompt renders it),
+    # ``tool_calls`` the calls completed here, in OpenAI's shape, and
+    # ``tool_call_parts`` the parts of calls drawn here (a turn held to its calls:
+    # docs/protocol.md "Tool calling").
     raw: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    tool_call_parts: list[dict[str, Any]] | None = None
 
     @property
     def model_text(self) -> str:
         return self.text if self.raw is None else self.raw
+
+    @property
+    def reaches_readers(self) -> bool:
+        """Whether a reader is sent this delta: it has text, calls or parts of calls
+        (the rest, tokens whose text is held back, only move ``seq`` on). The doors
+        that count their events count these."""
+        return bool(self.text or self.tool_calls or self.tool_call_parts)
 
 
 @dataclass(frozen=True)
@@ -481,6 +491,8 @@ def pack(message: Any) -> bytes:
             data["raw"] = message.raw
         if message.tool_calls is not None:
             data["tool_calls"] = message.tool_calls
+        if message.tool_call_parts is not None:
+            data["tool_call_parts"] = message.tool_call_parts
     else:
         data = asdict(message)
         if isinstance(message, DoneEvent) and message.error is not None:
@@ -516,11 +528,16 @@ def decode_event(fields: dict[Any, Any] | None) -> TurnEvent:
     return decode_event_payload(entry_payload(fields))
 
 
+_DELTA_FIELDS = frozenset(DeltaEvent.__dataclass_fields__) - {"kind"}
+
+
 def decode_event_payload(raw: bytes | None) -> TurnEvent:
     """An event from its packed ``m`` field."""
     data = _unpack_map(raw)
     kind = data.pop("kind")
     if kind == "delta":
+        if not data.keys() <= _DELTA_FIELDS:  # a later engine's: what this one knows
+            data = {k: v for k, v in data.items() if k in _DELTA_FIELDS}
         return DeltaEvent(**data)
     if kind == "paused":
         return PausedEvent(**data)

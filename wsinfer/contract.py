@@ -280,6 +280,8 @@ class SessionMessage(_Answer):
 class _DeltaExtras(TypedDict, total=False):
     logprobs: list[dict[str, Any]]  # with params.logprobs: one entry per token of ``text``
     tool_calls: list[dict[str, Any]]  # with params.tools: the calls this delta completes
+    # A turn held to its calls: the parts of calls drawn here (OpenAI's streamed shape).
+    tool_call_parts: list[dict[str, Any]]
 
 
 class DeltaMessage(_DeltaExtras):

@@ -340,6 +340,7 @@ def delta_message(
     text: str,
     logprobs: list[dict[str, Any]] | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    tool_call_parts: list[dict[str, Any]] | None = None,
 ) -> DeltaMessage:
     message: DeltaMessage = {
         "type": ServerMessageType.DELTA.value,
@@ -352,6 +353,8 @@ def delta_message(
         message["logprobs"] = logprobs
     if tool_calls:
         message["tool_calls"] = tool_calls
+    if tool_call_parts:
+        message["tool_call_parts"] = tool_call_parts
     return message
 
 

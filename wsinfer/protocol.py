@@ -354,10 +354,16 @@ class ConnectionProtocol:
             feed.held_logprobs.extend(event.logprobs)
         # Tokens whose text is held back (partial UTF-8, a stop string's or a tool
         # call's possible start) carry no text: their logprobs go with the next delta.
-        if event.text or event.tool_calls:
+        if event.reaches_readers:
             logprobs, feed.held_logprobs = feed.held_logprobs or None, []
             message = delta_message(
-                feed.session, feed.turn, event.seq, event.text, logprobs, event.tool_calls
+                feed.session,
+                feed.turn,
+                event.seq,
+                event.text,
+                logprobs,
+                event.tool_calls,
+                event.tool_call_parts,
             )
             self._queue(message)
 
@@ -368,7 +374,7 @@ class ConnectionProtocol:
         self.outbox_bytes += _MESSAGE_OVERHEAD
         if message["type"] == "delta":
             self.outbox_bytes += len(message["text"])
-            for call in message.get("tool_calls") or ():
+            for call in [*message.get("tool_calls", ()), *message.get("tool_call_parts", ())]:
                 self.outbox_bytes += _MESSAGE_OVERHEAD + len(call["function"]["arguments"])
             for entry in message.get("logprobs") or ():
                 self.outbox_bytes += _LOGPROB_BYTES * (1 + len(entry["top_logprobs"]))
@@ -466,8 +472,8 @@ def _coalesce(messages: list[ServerMessage]) -> list[ServerMessage]:
             and prev["type"] == "delta"
             and prev["session"] == message["session"]
             and prev["turn"] == message["turn"]
-            and "tool_calls" not in prev  # a call stays where it came, between texts
-            and "tool_calls" not in message
+            and not _has_calls(prev)  # a call, or a part of one, stays where it came
+            and not _has_calls(message)
         ):
             texts.append(message["text"])
             entries.extend(message.get("logprobs") or ())
@@ -481,6 +487,10 @@ def _coalesce(messages: list[ServerMessage]) -> list[ServerMessage]:
         out.append(message)
     _close_run(out, texts, entries)
     return out
+
+
+def _has_calls(message: ServerMessage) -> bool:
+    return "tool_calls" in message or "tool_call_parts" in message
 
 
 def _close_run(out: list[ServerMessage], texts: list[str], entries: list[dict[str, Any]]) -> None:

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from wsinfer.tools import (
+    CALL_HEAD,
     CLOSE,
     SEPARATORS,
+    CallStream,
     Parsed,
     ToolCallParser,
     call_text,
@@ -65,10 +67,14 @@ class ToolFormat:
         data = {"name": name, self.arguments_key: arguments}
         return json.dumps(data, separators=SEPARATORS, ensure_ascii=False)
 
-    def parser(self, names: Iterable[str], call_id_prefix: str) -> CallParser:
+    def parser(
+        self, names: Iterable[str], call_id_prefix: str, streams: bool = False
+    ) -> CallParser:
+        """The reader of a turn's calls; ``streams``: it hands out each call's
+        arguments as drawn (``tools.CallStream``), for a turn held to its calls."""
         if self is HERMES:
-            return ToolCallParser(names, call_id_prefix)
-        return LeadingCalls(self, names, call_id_prefix)
+            return ToolCallParser(names, call_id_prefix, streams)
+        return LeadingCalls(self, names, call_id_prefix, streams)
 
     def grammar_start(self, parallel: bool) -> list[str] | None:
         """The Lark rules around the call bodies (``body``) of a required call (None:
@@ -118,7 +124,9 @@ class LeadingCalls:
     held and is not a complete call is content.
     """
 
-    def __init__(self, fmt: ToolFormat, names: Iterable[str], call_id_prefix: str) -> None:
+    def __init__(
+        self, fmt: ToolFormat, names: Iterable[str], call_id_prefix: str, streams: bool = False
+    ) -> None:
         self.fmt = fmt
         self.names = frozenset(names)
         self.call_id_prefix = call_id_prefix
@@ -127,6 +135,11 @@ class LeadingCalls:
         self.count = 0
         self.content_mode = False  # the reply turned out to be text: all of it is content
         self._decoder = json.JSONDecoder()
+        self.streams = streams
+        # The calls of the value being drawn (Mistral's list holds several), their
+        # parts out, and where the next of them may begin.
+        self.drawn: list[CallStream] = []
+        self._next_at = 0
 
     def feed(self, piece: str) -> Parsed:
         self.text += piece
@@ -140,6 +153,9 @@ class LeadingCalls:
 
     def finish(self) -> Parsed:
         out = self.feed("")
+        if self.done < len(self.text) and self.drawn:  # cut short after parts went out:
+            self._drawn_whole(out)  # they stay as far as they go, and are not text
+            self.done = len(self.text)
         if self.done < len(self.text):  # held, and not a whole call: the model's text
             out.content += self.text[self.done :]
             self.done = len(self.text)
@@ -154,16 +170,65 @@ class LeadingCalls:
             if not self._may_be_calls(rest):
                 self.content_mode = True
                 return
+            self._stream(out, at)
             try:
                 value, end = self._decoder.raw_decode(self.text, at)
             except ValueError:
                 return  # incomplete so far: held
+            drawn, self.drawn = self.drawn, []
             calls = self._as_calls(value)
             if calls is None:
                 self.content_mode = True
                 return
+            for call, stream in zip(calls, drawn, strict=False):
+                stream.complete(call, out)
             out.calls += calls
             self.done = end
+
+    def _drawn_whole(self, out: Parsed) -> None:
+        """The calls drawn whole in a value cut short (Mistral's list before its "]")."""
+        for stream in self.drawn:
+            end = _past(self.text, stream.fed, "}") if stream.args.complete else None
+            if end is None or stream.args.broken:
+                return
+            try:
+                call = self._call(json.loads(self.text[stream.begins : end]))
+            except ValueError:
+                call = None
+            if call is None:
+                return
+            stream.complete(call, out)
+            out.calls.append(call)
+
+    def _stream(self, out: Parsed, at: int) -> None:
+        """The parts of the calls of the value that begins at ``at``, drawn so far."""
+        if not self.streams:
+            return
+        text = self.text
+        if not self.drawn:  # the value may only now begin here (its lead was cut)
+            self._next_at = at + 1 if self.fmt is MISTRAL else at  # past the list's "["
+        while True:
+            if self.drawn:
+                last = self.drawn[-1]
+                last.advance(text, len(text), out)
+                if not last.args.complete or last.args.broken:
+                    return
+                after = _past(text, last.fed, "}")  # the end of that call's object
+                if self.fmt is not MISTRAL or after is None:
+                    return
+                following = _past(text, after, ",")
+                if following is None:
+                    return
+                self._next_at = following
+            head = CALL_HEAD.match(text, self._next_at)
+            keys = (self.fmt.arguments_key, "arguments")
+            if head is None or head[1] not in self.names or head[2] not in keys:
+                return
+            index = self.count + len(self.drawn)
+            stream = CallStream(index, f"{self.call_id_prefix}_{index}", head[1], head)
+            stream.start(out)
+            self.drawn.append(stream)
+            self._next_at = len(text)  # moved on once this call's object has ended
 
     def _skip(self, at: int) -> int:
         """Past whitespace, the format's lead and the joiner between calls."""
@@ -214,3 +279,10 @@ class LeadingCalls:
             return None
         self.count += 1
         return call
+
+
+def _past(text: str, at: int, mark: str) -> int | None:
+    """Just past ``mark`` if it comes next in ``text`` (whitespace before it aside)."""
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at + 1 if text.startswith(mark, at) else None

@@ -32,6 +32,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from typing import Any
 
 import llguidance
@@ -331,14 +332,219 @@ def check_grammar(text: str) -> None:
 
 @dataclass
 class Parsed:
-    """What a piece of the model's text was: content to show, and calls it made."""
+    """What a piece of the model's text was: content to show, calls it completed,
+    and the parts of calls drawn so far (``CallStream``)."""
 
     content: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
+    parts: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, later: Parsed) -> None:
         self.content += later.content
         self.calls += later.calls
+        self.parts += later.parts
+
+
+class ArgumentsText:
+    """A call's arguments, fed as the model draws them, written out as they become
+    certain: the JSON text ``json.dumps(json.loads(all of it), ensure_ascii=False)``
+    gives (", " and ": " between items, no other whitespace, strings escaped as
+    Python's ``json`` escapes them), built piece by piece.
+
+    What it has written depends only on the text fed so far, never on how it was
+    cut: a number or a literal waits for what ends it, an escape in a string for
+    its last character (a high surrogate for the low one it may pair with). It
+    stops at the end of the first value (``complete``); ``broken`` once the text
+    cannot be JSON (nothing more is written).
+    """
+
+    def __init__(self) -> None:
+        self.text = ""  # what it has written
+        self.depth = 0
+        self.started = self.complete = self.broken = False
+        self._string: str | None = None  # the raw text of the string it is inside
+        self._scalar = ""  # a number or literal, until what ends it
+
+    def feed(self, piece: str) -> tuple[str, int]:
+        """What ``piece`` adds to the text, and how much of it was taken (all of
+        it, unless the value ended inside it)."""
+        out: list[str] = []
+        taken = 0
+        for char in piece:
+            if self.complete or self.broken:
+                break
+            taken += 1
+            self._char(char, out)
+        if self._string and not self.broken:
+            out.append(self._decoded(_safe_end(self._string)))
+        written = "".join(out)
+        self.text += written
+        return written, taken
+
+    def _char(self, char: str, out: list[str]) -> None:
+        if self._string is not None:
+            if char == '"' and not _escaping(self._string):
+                out.append(self._decoded(len(self._string)) + '"')
+                self._string = None
+                self._value_done()
+            else:
+                self._string += char
+            return
+        if self._scalar and not (char.isalnum() or char in "+-."):
+            self._flush_scalar(out)
+            if self.broken or self.complete:
+                return
+        if char.isspace():
+            return
+        if not self.started and char != "{":  # arguments are an object
+            self.broken = True
+            return
+        self.started = True
+        if char in "{[":
+            self.depth += 1
+            out.append(char)
+        elif char in "}]":
+            self.depth -= 1
+            out.append(char)
+            self._value_done()
+        elif char == ",":
+            out.append(", ")
+        elif char == ":":
+            out.append(": ")
+        elif char == '"':
+            self._string = ""
+            out.append('"')
+        elif char.isalnum() or char in "+-.":
+            self._scalar += char
+        else:
+            self.broken = True
+
+    def _decoded(self, end: int) -> str:
+        """The string's raw text up to ``end``, as ``json`` writes it (taken)."""
+        assert self._string is not None
+        raw, self._string = self._string[:end], self._string[end:]
+        if not raw:
+            return ""
+        try:
+            value = json.loads('"' + raw + '"')
+        except ValueError:
+            self.broken = True
+            return ""
+        return str(encode_basestring(value))[1:-1]
+
+    def _flush_scalar(self, out: list[str]) -> None:
+        try:
+            value = json.loads(self._scalar)
+        except ValueError:
+            self.broken = True
+            return
+        self._scalar = ""
+        out.append(json.dumps(value))
+        self._value_done()
+
+    def _value_done(self) -> None:
+        if self.depth == 0:
+            self.complete = True
+
+
+def _escaping(raw: str) -> bool:
+    """Whether a quote after ``raw`` (a string's text so far) is escaped."""
+    run = len(raw) - len(raw.rstrip("\\"))
+    return run % 2 == 1
+
+
+def _safe_end(raw: str) -> int:
+    """How much of a string's raw text decodes as it will in the whole string: not
+    an escape cut short, nor a high surrogate that the next escape may pair with."""
+    at = 0
+    safe = 0
+    while at < len(raw):
+        if raw[at] != "\\":
+            at += 1
+            safe = at
+            continue
+        if at + 1 >= len(raw):
+            return safe
+        if raw[at + 1] != "u":
+            at += 2
+            safe = at
+            continue
+        if at + 6 > len(raw):
+            return safe
+        if _is_high_surrogate(raw[at + 2 : at + 6]):
+            pair = raw[at + 6 : at + 12]
+            if len(pair) < 6 and "\\u".startswith(pair[:2]):
+                return safe  # the escape after it, which it may pair with, is not whole
+            at += 12 if pair.startswith("\\u") else 6
+        else:
+            at += 6
+        safe = at
+    return safe
+
+
+def _is_high_surrogate(digits: str) -> bool:
+    try:
+        return 0xD800 <= int(digits, 16) < 0xDC00
+    except ValueError:
+        return False  # not JSON: decoding the whole string says so
+
+
+# A call's opening as every format writes it: its name, then its arguments' key.
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(\w+)"\s*:\s*')
+
+
+class CallStream:
+    """A call whose arguments are handed out as the model draws them (a turn held to
+    its calls by a grammar, where what begins as a call can only end as one).
+
+    Its parts are OpenAI's streamed ``tool_calls`` entries: the first, once the model
+    has written the call's name and its arguments' key, with ``type`` and
+    ``function.name``; each part with ``index``, ``id`` and the next piece of
+    ``function.arguments``. The pieces joined are the call's ``arguments``, and the
+    part that the call's completing output carries may be empty.
+    """
+
+    def __init__(self, index: int, call_id: str, name: str, head: re.Match[str]) -> None:
+        self.index, self.call_id, self.name = index, call_id, name
+        self.args = ArgumentsText()
+        self.begins = head.start()  # where its object begins in the model's text
+        self.fed = head.end()  # the model's text is fed to the arguments up to here
+
+    def start(self, out: Parsed) -> None:
+        part = self._part(out, "")
+        part["type"] = "function"
+        part["function"] = {"name": self.name, **part["function"]}
+
+    def advance(self, text: str, end: int, out: Parsed) -> None:
+        """Feed the arguments the text drawn since, up to ``end``."""
+        if end <= self.fed:
+            return
+        piece, taken = self.args.feed(text[self.fed : end])
+        self.fed += taken
+        if piece:
+            self._part(out, piece)
+
+    def complete(self, call: dict[str, Any], out: Parsed) -> None:
+        """``call``, whole (it is, in OpenAI's shape), is this one: its arguments are
+        the pieces handed out (the same JSON ``read_call`` writes, but for a key the
+        model repeated), and the output that completes it carries its last part."""
+        whole = call["function"]["arguments"]
+        streamed = self.args.text
+        if self.args.complete and not self.args.broken:
+            call["function"]["arguments"] = streamed
+            self._part(out, "")
+        else:  # not JSON as drawn, but a call (models that write arguments as text)
+            self._part(out, whole[len(streamed) :] if whole.startswith(streamed) else "")
+
+    def _part(self, out: Parsed, piece: str) -> dict[str, Any]:
+        """This call's part of ``out`` (one per output), with ``piece`` added."""
+        for part in out.parts:
+            if part["index"] == self.index:
+                part["function"]["arguments"] += piece
+                return part
+        part = {"index": self.index, "id": self.call_id, "function": {"arguments": piece}}
+        out.parts.append(part)
+        return part
 
 
 class ToolCallParser:
@@ -355,12 +561,16 @@ class ToolCallParser:
     counts if its body is a call.
     """
 
-    def __init__(self, names: Iterable[str], call_id_prefix: str) -> None:
+    def __init__(self, names: Iterable[str], call_id_prefix: str, streams: bool = False) -> None:
         self.names = frozenset(names)
         self.call_id_prefix = call_id_prefix
         self.text = ""
         self.done = 0  # text[:done] is handed out
         self.count = 0  # calls handed out
+        # Hand out each call's arguments as drawn (``CallStream``): only where a
+        # grammar holds the turn to its calls, so that none can turn out to be text.
+        self.streams = streams
+        self.open: CallStream | None = None  # the call being drawn, its parts out
 
     def feed(self, piece: str) -> Parsed:
         self.text += piece
@@ -373,10 +583,24 @@ class ToolCallParser:
                 return out
             self._content(out, start)
             close = self.text.find(CLOSE, start + len(OPEN))
+            self._stream(out, start + len(OPEN), len(self.text) if close < 0 else close)
             if close < 0:
                 return out
             end = close + len(CLOSE)
             self._call_or_text(out, start + len(OPEN), close, end)
+
+    def _stream(self, out: Parsed, body_start: int, body_end: int) -> None:
+        """The parts of the call whose body begins at ``body_start``, drawn so far."""
+        if not self.streams:
+            return
+        if self.open is None:
+            head = CALL_HEAD.match(self.text, body_start, body_end)
+            if head is None or head[1] not in self.names or head[2] != "arguments":
+                return
+            call_id = f"{self.call_id_prefix}_{self.count}"
+            self.open = CallStream(self.count, call_id, head[1], head)
+            self.open.start(out)
+        self.open.advance(self.text, body_end, out)
 
     def finish(self) -> Parsed:
         """The turn ended: everything held is handed out."""
@@ -396,9 +620,15 @@ class ToolCallParser:
 
     def _call_or_text(self, out: Parsed, body_start: int, body_end: int, end: int) -> None:
         call = self._call(self.text[body_start:body_end])
+        drawn, self.open = self.open, None
+        if call is None and drawn is not None:  # cut short after its parts went out:
+            self.done = end  # it stays as far as they go, and is not text
+            return
         if call is None:
             self._content(out, end)
             return
+        if drawn is not None:
+            drawn.complete(call, out)
         out.calls.append(call)
         self.count += 1
         self.done = end

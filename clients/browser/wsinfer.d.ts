@@ -84,6 +84,19 @@ export interface ToolCall {
   function: { name: string; arguments: string };
 }
 
+/**
+ * A part of a call drawn (a turn held to its calls: tool_choice "required" or a
+ * named function): `arguments` is the next piece of the call's arguments' JSON
+ * text; a call's first part also has `type` and `function.name`. A call's pieces
+ * joined are its `arguments` in the delta's toolCalls that completes it.
+ */
+export interface ToolCallPart {
+  index: number;
+  id: string;
+  type?: "function";
+  function: { name?: string; arguments: string };
+}
+
 /** OpenAI's response_format shapes. */
 export type ResponseFormat =
   | { type: "text" }
@@ -170,6 +183,7 @@ export interface DeltaDetail {
   time: number;
   logprobs?: TokenLogprob[];
   toolCalls?: ToolCall[];
+  toolCallParts?: ToolCallPart[];
 }
 export interface PausedDetail { seq: number; }
 export interface SessionDetail { session: string; turn: number; }

@@ -269,7 +269,7 @@ export class WsinferTurn extends EventTarget {
     for (const wake of wakers) wake();
   }
 
-  _applyDelta(seq, text, logprobs, toolCalls) {
+  _applyDelta(seq, text, logprobs, toolCalls, toolCallParts) {
     if (seq <= this.seq) return false; // already applied: a replay after resume
     const now = performance.now();
     if (this.firstDeltaAt === null) this.firstDeltaAt = now;
@@ -281,6 +281,8 @@ export class WsinferTurn extends EventTarget {
     const detail = { text, seq, time: now };
     if (logprobs) detail.logprobs = logprobs;
     if (toolCalls) detail.toolCalls = toolCalls;
+    // A call's arguments as they are drawn; its whole comes in toolCalls.
+    if (toolCallParts) detail.toolCallParts = toolCallParts;
     this.dispatchEvent(event("delta", detail));
     this._wake();
     return true;
@@ -678,7 +680,10 @@ export class WsinferClient extends EventTarget {
     const turn = this._turnFor(msg);
     if (!turn || !turn.active || this._restarting(turn)) return;
     turn._passed(msg.seq);
-    if (turn._applyDelta(msg.seq, msg.text, msg.logprobs, msg.tool_calls)) this._save();
+    const applied = turn._applyDelta(
+      msg.seq, msg.text, msg.logprobs, msg.tool_calls, msg.tool_call_parts,
+    );
+    if (applied) this._save();
   }
 
   _on_paused(msg) {

@@ -45,6 +45,29 @@ def test_replayed_deltas_are_applied_once() -> None:
     assert state.seq == 5
 
 
+def test_calls_drawn_grow_part_by_part_and_a_replay_adds_nothing() -> None:
+    """``drawn_calls``: each call of a turn held to its calls as drawn so far; the
+    delta completing it carries it whole in ``tool_calls`` too."""
+    state = TurnState("s", "k", 1)
+    first = {"index": 0, "id": "c_0", "type": "function",
+             "function": {"name": "f", "arguments": '{"a'}}  # fmt: skip
+    later = {"index": 0, "id": "c_0", "function": {"arguments": '": 1}'}}
+    whole = {"index": 0, "id": "c_0", "type": "function",
+             "function": {"name": "f", "arguments": '{"a": 1}'}}  # fmt: skip
+    log = [
+        {**delta(2, ""), "tool_call_parts": [first]},
+        {**delta(3, ""), "tool_call_parts": [later]},
+        {**delta(4, ""), "tool_call_parts": [{**later, "function": {"arguments": ""}}],
+         "tool_calls": [whole]},
+    ]  # fmt: skip
+    change = state.apply(log[0])
+    assert isinstance(change, TextDelta) and change.tool_call_parts == (first,)
+    assert state.drawn_calls[0]["function"] == {"name": "f", "arguments": '{"a'}
+    for message in [*log, *log]:  # every delta twice: a replay after a resume
+        state.apply(message)
+    assert list(state.drawn_calls.values()) == [whole] == state.tool_calls
+
+
 def test_apply_reports_only_changes() -> None:
     state = TurnState("s", "k", 1)
     assert state.apply(delta(1, "a")) == TextDelta("a", 1)

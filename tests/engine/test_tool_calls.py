@@ -218,14 +218,23 @@ def test_the_core_splits_the_calls_of_a_turn_that_asks_as_the_model_wrote_them(
     ended = 0
     for rid, outs in run_all(core).items():
         wrote = "".join(o.text if o.raw is None else o.raw for o in outs)
-        parser = ToolCallParser(tool_names(p.tools), f"call_s_{rid[1:]}")
+        # Held to its calls, the turn hands each call's arguments out as drawn.
+        parser = ToolCallParser(tool_names(p.tools), f"call_s_{rid[1:]}", streams=True)
         parsed = parser.feed(wrote)
         parsed.add(parser.finish())  # a turn cut short by length included
         if outs[-1].finish_reason != "length":
             assert outs[-1].finish_reason == "tool_calls"  # a required call was made
             ended += 1
         assert text_of(outs) == parsed.content
-        assert [c for o in outs for c in o.tool_calls or []] == parsed.calls
+        calls = [c for o in outs for c in o.tool_calls or []]
+        assert calls == parsed.calls
+        drawn: dict[int, str] = {}
+        for part in (part for o in outs for part in o.tool_call_parts or []):
+            drawn[part["index"]] = drawn.get(part["index"], "") + part["function"]["arguments"]
+        assert {i: drawn[i] for i in range(len(calls))} == {
+            c["index"]: c["function"]["arguments"] for c in calls
+        }
+        assert len(drawn) - len(calls) in (0, 1)  # the call cut short, as far as it went
     assert ended >= 1  # not all cut short: the reason was checked
 
 

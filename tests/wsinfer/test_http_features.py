@@ -188,6 +188,13 @@ async def test_tool_calls_through_the_sdk_the_websocket_and_the_python_client(
     streamed = final.choices[0].message.tool_calls
     assert streamed is not None and streamed[0].function.arguments == call.arguments  # type: ignore[union-attr]
     assert final.choices[0].finish_reason == "tool_calls"
+    # Held to its call, the call streams as drawn: OpenAI's chunks, its id and name first.
+    chunks = [c async for c in await client.chat.completions.create(**asked, seed=1, stream=True)]
+    entries = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+    assert len(entries) > 3 and entries[0].function is not None
+    assert entries[0].id is not None and entries[0].id.endswith("_1_0")  # its session's
+    assert entries[0].function.name == "get_weather" and all(e.id is None for e in entries[1:])
+    assert "".join(e.function.arguments or "" for e in entries if e.function) == call.arguments
     # The result goes back with the call, as every OpenAI client sends it.
     history = [
         *ASK,
@@ -216,12 +223,27 @@ async def test_tool_calls_through_the_sdk_the_websocket_and_the_python_client(
     replayed = await ws.until("done")
     again = [c for m in replayed if m["type"] == "delta" for c in m.get("tool_calls", ())]
     assert again == delivered
+    # Its parts join to its arguments, and a resume inside them gives the rest.
+    drawn = [m for m in messages if m["type"] == "delta" and m.get("tool_call_parts")]
+    assert len(drawn) > 3 and drawn[0]["tool_call_parts"][0]["function"]["name"] == "get_weather"
+
+    def pieces(deltas: list[dict[str, Any]]) -> str:
+        return "".join(p["function"]["arguments"] for m in deltas for p in m["tool_call_parts"])
+
+    assert pieces(drawn) == call.arguments
+    middle = drawn[len(drawn) // 2]["seq"]
+    await ws.send(type="resume", session=session["session"], token=session["token"], after=middle)
+    rest = [m for m in await ws.until("done") if m["type"] == "delta"]
+    assert all(m["seq"] > middle for m in rest)
+    before = [m for m in drawn if m["seq"] <= middle]
+    assert pieces(before) + pieces([m for m in rest if m.get("tool_call_parts")]) == call.arguments
     await ws.close()
     async with connect(f"ws://127.0.0.1:{serve[0]}/v1/ws", api_key=KEY) as python:
         turn = await python.start(messages=ASK, params={**params, "temperature": 1.0})
         await turn.wait()
         assert turn.finish_reason == "tool_calls" and len(turn.tool_calls) == 1
         assert turn.tool_calls[0]["function"] == delivered[0]["function"]
+        assert turn.drawn_calls == turn.tool_calls  # drawn piece by piece, the same
 
 
 async def test_n_choices_whole_streamed_and_legacy(serve: tuple[int, Path]) -> None:  # noqa: F811
@@ -365,21 +387,39 @@ async def test_function_calls_through_the_responses_api(serve: tuple[int, Path])
     stream = await client.responses.create(**asked, stream=True)
     events = [e async for e in stream]
     kinds = [e.type for e in events]
-    assert kinds[-5:] == [
-        "response.output_item.added", "response.function_call_arguments.delta",
-        "response.function_call_arguments.done", "response.output_item.done",
-        "response.completed",
-    ]  # fmt: skip
     numbers = [e.sequence_number for e in events]
     assert numbers == sorted(set(numbers))
     final = events[-1].response  # type: ignore[union-attr]
     streamed = [item for item in final.output if item.type == "function_call"]
     jsonschema.validate(json.loads(streamed[0].arguments), WEATHER_ARGS)
-    middle = numbers[-4]  # after the call's item was added
+    # Held to its call, the call streams as it is drawn: its item added, then a
+    # delta per piece of its arguments, before the message's closing events.
+    added = [i for i, e in enumerate(events) if e.type == "response.output_item.added"]
+    call_added = events[added[1]]
+    assert call_added.item.type == "function_call"  # type: ignore[union-attr]
+    pieces = [i for i, k in enumerate(kinds) if k == "response.function_call_arguments.delta"]
+    assert len(pieces) > 3 and added[1] < pieces[0]
+    assert pieces[-1] < kinds.index("response.output_text.done")
+    drawn = call_added.item.arguments + "".join(events[i].delta for i in pieces)  # type: ignore[union-attr]
+    assert drawn == streamed[0].arguments
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    # A stream resumed inside the call's pieces goes on with the next one, numbered on.
+    middle = numbers[pieces[len(pieces) // 2]]
     resumed = await client.responses.retrieve(final.id, stream=True, starting_after=middle)
     rest = [e async for e in resumed]
-    assert [e.sequence_number for e in rest] == numbers[-3:]
-    assert [e.type for e in rest] == kinds[-3:]
+    after = [i for i, n in enumerate(numbers) if n > middle]
+    assert [e.sequence_number for e in rest] == [numbers[i] for i in after]
+    assert [e.type for e in rest] == [kinds[i] for i in after]
+    # The SDK's stream helper puts the call together from its pieces.
+    async with client.responses.stream(**asked) as helper:
+        seen = [e async for e in helper]
+        final_output = (await helper.get_final_response()).output
+    snapshots = [e.snapshot for e in seen if e.type == "response.function_call_arguments.delta"]
+    helper_call = [item for item in final_output if item.type == "function_call"]
+    assert len(snapshots) > 3 and snapshots[-1] == helper_call[0].arguments
     with pytest.raises(openai.BadRequestError, match="only function tools"):
         await client.responses.create(**{**asked, "tools": [{"type": "web_search"}]})
 

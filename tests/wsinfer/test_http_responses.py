@@ -641,3 +641,81 @@ async def test_logprobs_through_the_sdk_whole_streamed_resumed_and_retrieved(
     again = await sdk.responses.retrieve(rid)
     kept = again.output[0].content[0].logprobs  # type: ignore[union-attr]
     assert kept is not None and [x.token for x in kept] == tokens
+
+
+def test_calls_drawn_stream_their_events_and_resume_anywhere() -> None:
+    """Held to its calls, a call's item is added once its name is drawn and each piece
+    of its arguments is an event numbered by the token that drew it; a reader resumed
+    after any number gets exactly the events after it. A call whose start shares its
+    delta with text comes whole with the closing events instead (no token does that:
+    the order of the events stays right whatever the tokens)."""
+    from wsinfer.http.responses_routes import _output_of
+    from wsinfer.sessions.schema import DeltaEvent
+
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    params = GenerationParams.parse({"tools": [weather], "tool_choice": "required"})
+    view = ResponseView(ResponseId("s", 1, "t"), "m", 5, params)
+    usage = {"prompt_tokens": 3, "completion_tokens": 14, "cached_tokens": 0}
+    done = {"seq": 14, "finish_reason": "tool_calls", "usage": usage}
+
+    def call(index: int, arguments: str) -> dict[str, Any]:
+        function = {"name": "get_weather", "arguments": arguments}
+        return {"index": index, "id": f"call_s_1_{index}", "type": "function", "function": function}
+
+    def part(index: int, piece: str, first: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": index, "id": f"call_s_1_{index}"}
+        out["function"] = {"arguments": piece}
+        if first:
+            out["type"], out["function"]["name"] = "function", "get_weather"
+        return out
+
+    log = [
+        DeltaEvent(3, "", [3], tool_call_parts=[part(0, "", first=True)]),
+        DeltaEvent(4, "", [4], tool_call_parts=[part(0, '{"city": ')]),
+        DeltaEvent(6, "", [6], tool_call_parts=[part(0, '"Paris"}')]),
+        DeltaEvent(
+            8, "", [8], tool_calls=[call(0, '{"city": "Paris"}')], tool_call_parts=[part(0, "")]
+        ),  # fmt: skip
+        DeltaEvent(12, "\n", [12], tool_call_parts=[part(1, "", first=True)]),
+        DeltaEvent(13, "", [13], tool_call_parts=[part(1, "{}")]),
+        DeltaEvent(14, "", [14], tool_calls=[call(1, "{}")], tool_call_parts=[part(1, "")]),
+    ]
+
+    def replay(after: int) -> list[dict[str, Any]]:
+        events = ResponseEvents(view, after)
+        out = events.opening_events("queued")
+        for e in log:
+            if e.seq > events.seq_after:
+                if events.before is None:  # as the route reads it, once needed
+                    events.before = _output_of(log, events.seq_after)
+                out += events.delta_events(e.seq, e.text, None, e.tool_calls, e.tool_call_parts)
+        if events.before is None:
+            events.before = _output_of(log, events.seq_after)
+        return out + events.closing_events(done, events.before)
+
+    everything = replay(-1)
+    kinds = [e["type"] for e in everything]
+    assert numbers(everything) == [0, 1, 2, 3, *(HEAD + s for s in (3, 4, 6, 12)),
+                                   *range(HEAD + 15, HEAD + 25)]  # fmt: skip
+    assert kinds[4:8] == [
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.output_text.delta",
+    ]  # fmt: skip
+    assert kinds[8:] == [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        # the call drawn as its events went: its last two
+        "response.function_call_arguments.done", "response.output_item.done",
+        # the call whose start came beside text: all four here
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    assert everything[4]["item"]["status"] == "in_progress" and everything[4]["output_index"] == 1
+    drawn = everything[4]["item"]["arguments"] + everything[5]["delta"] + everything[6]["delta"]
+    assert drawn == '{"city": "Paris"}' == everything[11]["arguments"]
+    assert everything[5]["item_id"] == everything[4]["item"]["id"] == everything[12]["item"]["id"]
+    for after in range(-1, HEAD + 25):
+        tail = replay(after)
+        assert numbers(tail) == [n for n in numbers(everything) if n > after]
+        rest = [e["type"] for e in everything if e["sequence_number"] > after]
+        assert [e["type"] for e in tail] == rest

@@ -237,6 +237,58 @@ def test_logprobs_ride_with_their_text_held_back_and_merged() -> None:
     assert "logprobs" not in sent(proto)[0]
 
 
+def part(index: int, piece: str, name: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": index, "id": f"c_{index}", "function": {"arguments": piece}}
+    if name is not None:
+        out["type"], out["function"]["name"] = "function", name
+    return out
+
+
+def test_parts_of_calls_are_sent_each_in_its_own_delta_for_a_lagging_reader() -> None:
+    """A delta that carries the parts of calls drawn reaches readers though it has no
+    text, and is never merged with the deltas around it (the Responses door gives each
+    its own event, numbered by its seq); the text around them still merges."""
+    proto = json_proto()
+    proto.follow("s", 1, after=0)
+    call = {"index": 0, "id": "c_0", "type": "function",
+            "function": {"name": "f", "arguments": '{"a": 1}'}}  # fmt: skip
+    proto.deliver(
+        "s",
+        1,
+        [
+            DeltaEvent(1, "x", [1]),
+            DeltaEvent(2, "y", [2]),
+            DeltaEvent(3, "", [3]),  # held back: moves seq on only
+            DeltaEvent(4, "", [4], tool_call_parts=[part(0, "", "f")]),
+            DeltaEvent(5, "", [5], tool_call_parts=[part(0, '{"a": ')]),
+            DeltaEvent(6, "", [6], tool_call_parts=[part(0, "1}")]),
+            DeltaEvent(7, "", [7], tool_calls=[call], tool_call_parts=[part(0, "")]),
+            DeltaEvent(8, "\n", [8]),
+            DeltaEvent(9, "z", [9]),
+        ],
+    )
+    messages = sent(proto)
+    assert [(m["seq"], m["text"]) for m in messages] == [
+        (2, "xy"), (4, ""), (5, ""), (6, ""), (7, ""), (9, "\nz"),
+    ]  # fmt: skip
+    assert [m.get("tool_call_parts") for m in messages[1:5]] == [
+        [part(0, "", "f")], [part(0, '{"a": ')], [part(0, "1}")], [part(0, "")],
+    ]  # fmt: skip
+    assert messages[4]["tool_calls"] == [call]
+
+
+def test_a_delta_with_parts_round_trips_and_an_unknown_field_is_left_out() -> None:
+    """What the engine writes is what frontends read; a later engine's new field does
+    not make this frontend's fan-in fail."""
+    from wsinfer.sessions.schema import decode_event_payload, pack
+
+    event = DeltaEvent(4, "", [4], raw='{"a"', tool_call_parts=[part(0, '{"a"', "f")])
+    assert decode_event_payload(pack(event)) == event
+    later = msgpack.unpackb(pack(event))
+    later["from_a_later_engine"] = [1, 2]
+    assert decode_event_payload(msgpack.packb(later)) == event
+
+
 def test_resume_after_seq_skips_what_the_client_has() -> None:
     proto = json_proto()
     proto.follow("s", 2, after=2)

@@ -178,8 +178,8 @@ async def rejoin(
 
 
 def _texts(events: list[TurnEvent]) -> list[DeltaEvent]:
-    """The deltas that reach a reader as messages: those with text (or calls)."""
-    return [e for e in events if isinstance(e, DeltaEvent) and (e.text or e.tool_calls)]
+    """The deltas that reach a reader as messages (``DeltaEvent.reaches_readers``)."""
+    return [e for e in events if isinstance(e, DeltaEvent) and e.reaches_readers]
 
 
 async def forget(app: RouteHost, started: list[SessionMessage]) -> None:

@@ -570,9 +570,26 @@ def sse_for(completion: Completion, message: ServerMessage, include_usage: bool)
 def delta_chunk(completion: Completion, message: DeltaMessage) -> dict[str, Any]:
     """The chunk of a protocol ``delta``: its text, calls and log-probabilities."""
     delta: dict[str, Any] = {"content": message["text"]}
-    if message.get("tool_calls"):
-        delta = {"content": message["text"] or None, "tool_calls": message["tool_calls"]}
+    calls = streamed_calls(message)
+    if calls:
+        delta = {"content": message["text"] or None, "tool_calls": calls}
     return completion.chunk(delta, logprobs=message.get("logprobs"))
+
+
+def streamed_calls(message: DeltaMessage) -> list[dict[str, Any]]:
+    """A delta's ``delta.tool_calls`` as OpenAI streams them: the parts of calls drawn
+    (a call's first with its ``id``, ``type`` and name; later ones its arguments' next
+    piece), then each call completed here that came in no part, whole."""
+    parts = message.get("tool_call_parts", [])
+    out = [_chat_part(p) for p in parts if "type" in p or p["function"]["arguments"]]
+    drawn = {p["index"] for p in parts}
+    return out + [c for c in message.get("tool_calls", ()) if c["index"] not in drawn]
+
+
+def _chat_part(part: dict[str, Any]) -> dict[str, Any]:
+    if "type" in part:
+        return part
+    return {"index": part["index"], "function": {"arguments": part["function"]["arguments"]}}
 
 
 def failure(message: ServerMessage) -> OpenAIError | None:

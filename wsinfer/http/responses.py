@@ -459,13 +459,16 @@ class ResponseView:
             "content": content,
         }
 
+    def call_item_id(self, index: int) -> str:
+        return f"fc_{self.rid.session}_{self.rid.turn}_{index}"
+
     def call_item(self, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
         """A call as a ``function_call`` output item (``call_id``: the call's id, which
         its ``function_call_output`` names)."""
         function = call["function"]
         arguments = function["arguments"] if status == "completed" else ""
         return {
-            "id": f"fc_{self.rid.session}_{self.rid.turn}_{call['index']}",
+            "id": self.call_item_id(call["index"]),
             "type": "function_call",
             "status": status,
             "call_id": call["id"],
@@ -501,11 +504,33 @@ def event(kind: str, number: int, **fields: Any) -> bytes:
 
 @dataclass
 class Output:
-    """What a turn's deltas (or the first ones) hold: text, logprobs entries, calls."""
+    """What a turn's deltas (or the first ones) hold: text, logprobs entries, calls,
+    and the calls whose events were streamed as they were drawn (``shown_part``)."""
 
     text: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
+    streamed: set[int] = field(default_factory=set)
+
+
+def shown_part(text: str, parts: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The part of a call a delta's one event shows (a stream's events are numbered by
+    the turn's ``seq``, one number a delta): none beside text, else its first call's
+    part that starts the call or has arguments. A delta is a token, and no token holds
+    text and a call's arguments, or two calls' (the name of a call comes between), so
+    nothing is left out; were one to, the call's closing events carry it whole."""
+    if text:
+        return None
+    for part in parts or ():
+        if "type" in part or part["function"]["arguments"]:
+            return part
+    return None
+
+
+def streamed_calls(deltas: list[tuple[str, list[dict[str, Any]] | None]]) -> set[int]:
+    """The calls whose start a stream's events showed, of ``(text, parts)`` deltas."""
+    shown = (shown_part(text, parts) for text, parts in deltas)
+    return {part["index"] for part in shown if part is not None and "type" in part}
 
 
 class ResponseEvents:
@@ -522,6 +547,9 @@ class ResponseEvents:
         self.text: list[str] = []  # the text streamed to this reader
         self.logprobs: list[dict[str, Any]] = []  # and its tokens' entries
         self.calls: list[dict[str, Any]] = []  # and the calls the model made
+        self.streamed: set[int] = set()  # and the calls whose start it was shown
+        # What the reader had before this stream (a resume's): read once needed.
+        self.before: Output | None = Output() if self.seq_after == 0 else None
         self.last = after  # the last sequence number this reader has
 
     @property
@@ -538,8 +566,9 @@ class ResponseEvents:
         text: str,
         logprobs: list[dict[str, Any]] | None = None,
         calls: list[dict[str, Any]] | None = None,
+        parts: list[dict[str, Any]] | None = None,
     ) -> bytes:
-        return sse_events(self.delta_events(seq, text, logprobs, calls))
+        return sse_events(self.delta_events(seq, text, logprobs, calls, parts))
 
     def closing(self, done: DoneMessage, before: Output) -> bytes:
         return sse_events(self.closing_events(done, before))
@@ -561,21 +590,45 @@ class ResponseEvents:
         text: str,
         logprobs: list[dict[str, Any]] | None = None,
         calls: list[dict[str, Any]] | None = None,
+        parts: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
-        """A text delta's event. Calls come as output items after the message, with the
-        closing events: a delta that only completes calls has no event of its own."""
+        """A delta's one event: its text, or the part of a call drawn (``shown_part``):
+        the call's output item added, then its arguments' deltas. A call drawn whole
+        comes as an output item after the message, with the closing events; a delta
+        with nothing to show has no event (``before``: needed with parts)."""
         number = HEAD + seq
         if number <= self.after:  # the resume's replay starts after it: never the case
             return []
         self.text.append(text)
         self.logprobs += logprobs or ()
         self.calls += calls or ()
-        if calls and not text:
+        if text:
+            self.last = number
+            item = {"item_id": self.view.rid.item_id, "output_index": 0, "content_index": 0}
+            fields = {**item, "delta": text, "logprobs": logprobs or []}
+            return [payload("response.output_text.delta", number, **fields)]
+        part = shown_part(text, parts)
+        if part is None:
+            return []
+        index, piece = part["index"], part["function"]["arguments"]
+        started = "type" in part
+        if started:
+            self.streamed.add(index)
+        elif index not in self.streamed | self._before().streamed:
             return []
         self.last = number
-        item = {"item_id": self.view.rid.item_id, "output_index": 0, "content_index": 0}
-        fields = {**item, "delta": text, "logprobs": logprobs or []}
-        return [payload("response.output_text.delta", number, **fields)]
+        where = {"output_index": 1 + index}
+        if started:
+            call = {"index": index, "id": part["id"], "function": part["function"]}
+            item = {**self.view.call_item(call, "in_progress"), "arguments": piece}
+            return [payload("response.output_item.added", number, **where, item=item)]
+        item_id = self.view.call_item_id(index)
+        fields = {"item_id": item_id, **where, "delta": piece}
+        return [payload("response.function_call_arguments.delta", number, **fields)]
+
+    def _before(self) -> Output:
+        assert self.before is not None, "a resumed stream with parts reads its before first"
+        return self.before
 
     def closing_events(self, done: DoneMessage, before: Output) -> list[dict[str, Any]]:
         """The events after the ``done``: the message's three, four per function call
@@ -583,6 +636,7 @@ class ResponseEvents:
         what this reader had before its stream started (the resume's ``after``)."""
         view, text = self.view, before.text + "".join(self.text)
         lps, calls = before.logprobs + self.logprobs, before.calls + self.calls
+        streamed = before.streamed | self.streamed
         status = outcome(done)[0]
         item = {"item_id": view.rid.item_id, "output_index": 0, "content_index": 0}
         events: list[tuple[str, dict[str, Any]]] = [
@@ -596,12 +650,15 @@ class ResponseEvents:
         for index, call in enumerate(calls, 1):
             whole = view.call_item(call)
             at = {"item_id": whole["id"], "output_index": index}
+            if call["index"] not in streamed:  # drawn whole: added, and its arguments
+                events += [
+                    (
+                        "response.output_item.added",
+                        {"output_index": index, "item": view.call_item(call, "in_progress")},
+                    ),
+                    ("response.function_call_arguments.delta", {**at, "delta": whole["arguments"]}),
+                ]
             events += [
-                (
-                    "response.output_item.added",
-                    {"output_index": index, "item": view.call_item(call, "in_progress")},
-                ),
-                ("response.function_call_arguments.delta", {**at, "delta": whole["arguments"]}),
                 ("response.function_call_arguments.done", {**at, "arguments": whole["arguments"]}),
                 ("response.output_item.done", {"output_index": index, "item": whole}),
             ]

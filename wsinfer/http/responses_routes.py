@@ -38,6 +38,7 @@ from wsinfer.http.responses import (
     not_found,
     parse_response_request,
     sse_events,
+    streamed_calls,
 )
 from wsinfer.messages import Resume, SessionCommand, done_message
 from wsinfer.sessions.schema import DeltaEvent, DoneEvent, GenerationParams
@@ -191,12 +192,15 @@ class ResponsesRoutes:
         self, events: ResponseEvents, message: ServerMessage
     ) -> list[dict[str, Any]]:
         if message["type"] == "delta":
-            calls = message.get("tool_calls")
+            calls, parts = message.get("tool_calls"), message.get("tool_call_parts")
+            if parts and events.before is None:  # a resumed reader: were its calls shown?
+                events.before = await self._output(events.view.rid, upto=events.seq_after)
             text, lps = message["text"], message.get("logprobs")
-            return events.delta_events(message["seq"], text, lps, calls)
+            return events.delta_events(message["seq"], text, lps, calls, parts)
         if message["type"] == "done":
-            before = await self._output(events.view.rid, upto=events.seq_after)
-            return events.closing_events(message, before)
+            if events.before is None:
+                events.before = await self._output(events.view.rid, upto=events.seq_after)
+            return events.closing_events(message, events.before)
         if message["type"] == "error":  # the follow failed (a refusal): OpenAI's error ends it
             return [events.error_event(message["code"], message["message"])]
         return []
@@ -297,6 +301,7 @@ def _output_of(events: list[Any], upto: int | None) -> Output:
         "".join(e.text for e in deltas),
         [x for e in deltas for x in e.logprobs or ()],
         [call for e in deltas for call in e.tool_calls or ()],
+        streamed_calls([(e.text, e.tool_call_parts) for e in deltas]),
     )
 
 

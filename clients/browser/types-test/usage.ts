@@ -55,6 +55,9 @@ async function weather(city: string): Promise<string> {
     params: { tools, tool_choice: "required", parallel_tool_calls: false },
   });
   turn.addEventListener("delta", (e) => console.log(e.detail.toolCalls?.[0]?.function.name));
+  turn.addEventListener("delta", (e) => {
+    for (const part of e.detail.toolCallParts ?? []) console.log(part.index, part.function.arguments);
+  });
   const done: DoneDetail = await turn.finished;
   const call = turn.toolCalls[0];
   if (done.finishReason !== "tool_calls" || !call) return turn.text;
