@@ -43,6 +43,8 @@ def call_parser(request: EngineRequest, fmt: ToolFormat) -> CallParser | None:
     streams = request.params.tool_format is not None
     parser = fmt.parser(tool_names(request.params.tools), ask.call_id_prefix, streams)
     parser.feed(ask.published)
+    if request.released:  # it ended once (by length), and what it held then went out
+        parser.finish()
     return parser
 
 

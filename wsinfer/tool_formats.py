@@ -153,9 +153,8 @@ class LeadingCalls:
 
     def finish(self) -> Parsed:
         out = self.feed("")
-        if self.done < len(self.text) and self.drawn:  # cut short after parts went out:
-            self._drawn_whole(out)  # they stay as far as they go, and are not text
-            self.done = len(self.text)
+        if self.drawn:  # cut short after parts went out: they stay as far as they went
+            return out  # (and a continue of the turn goes on drawing them), not text
         if self.done < len(self.text):  # held, and not a whole call: the model's text
             out.content += self.text[self.done :]
             self.done = len(self.text)
@@ -184,21 +183,6 @@ class LeadingCalls:
                 stream.complete(call, out)
             out.calls += calls
             self.done = end
-
-    def _drawn_whole(self, out: Parsed) -> None:
-        """The calls drawn whole in a value cut short (Mistral's list before its "]")."""
-        for stream in self.drawn:
-            end = _past(self.text, stream.fed, "}") if stream.args.complete else None
-            if end is None or stream.args.broken:
-                return
-            try:
-                call = self._call(json.loads(self.text[stream.begins : end]))
-            except ValueError:
-                call = None
-            if call is None:
-                return
-            stream.complete(call, out)
-            out.calls.append(call)
 
     def _stream(self, out: Parsed, at: int) -> None:
         """The parts of the calls of the value that begins at ``at``, drawn so far."""

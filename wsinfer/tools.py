@@ -603,13 +603,18 @@ class ToolCallParser:
         self.open.advance(self.text, body_end, out)
 
     def finish(self) -> Parsed:
-        """The turn ended: everything held is handed out."""
+        """The turn ended: everything held is handed out, but a call whose parts went
+        out and that is not whole: it stays as far as they went (and a continue of
+        the turn goes on drawing it)."""
         out = self.feed("")
         start = self.text.find(OPEN, self.done)
         if start >= 0:  # a call cut short, maybe inside its closing tag
             self._content(out, start)
-            body_end = len(self.text) - _partial(CLOSE, self.text, start + len(OPEN))
-            self._call_or_text(out, start + len(OPEN), body_end, len(self.text))
+            body_start = start + len(OPEN)
+            body_end = len(self.text) - _partial(CLOSE, self.text, body_start)
+            if self.open is not None and self._call(self.text[body_start:body_end]) is None:
+                return out
+            self._call_or_text(out, body_start, body_end, len(self.text))
         self._content(out, len(self.text))
         return out
 

@@ -252,3 +252,29 @@ def test_smollm2_calls_the_weather_tool_for_the_city_asked_about(smol: LoadedMod
     _, calls = calls_of(text_of(outs), p)
     assert calls[0]["function"]["name"] == "get_weather", text_of(outs)
     assert json.loads(calls[0]["function"]["arguments"])["city"] == "Paris"
+
+
+@pytest.mark.parametrize("released", [False, True])
+def test_a_continued_turn_does_not_hand_out_again_what_its_end_let_out_as_text(
+    released: bool,
+) -> None:
+    """A free turn cut by length inside what began as a call let that text out as
+    text when it ended; continued, its parser starts from there (``released``), so
+    the call's rest is text too, not a call that repeats it. A turn rebuilt after a
+    takeover (not released) still holds what may begin a call."""
+    from wsinfer.engine.requests import EngineRequest
+    from wsinfer.engine.tool_calls import call_parser
+    from wsinfer.tool_formats import HERMES
+
+    text = f'{OPEN}\n{{"name": "get_time", "arguments": {{}}}}\n{CLOSE}'
+    cut = text.index('"get_time"')
+    ask = ToolCalls("call_s_1", text[:cut])
+    rebuilt = EngineRequest("s:1", [1], params(), released=released, tool_calls=ask)
+    parser = call_parser(rebuilt, HERMES)
+    assert parser is not None
+    rest = parser.feed(text[cut:])
+    rest.add(parser.finish())
+    if released:
+        assert (rest.content, rest.calls) == (text[cut:], [])
+    else:
+        assert rest.content == "" and [c["function"]["name"] for c in rest.calls] == ["get_time"]

@@ -119,12 +119,46 @@ def test_a_call_cut_short_stays_as_far_as_its_parts_went(fmt: ToolFormat) -> Non
         outs = run(fmt.parser(NAMES, "c", streams=True), random_cuts(rng, text[:cut]))
         done = [c for out in outs for c in out.calls]
         parts = joined_parts(outs)
-        # Whole calls are whole; the one cut short is a prefix of its arguments.
-        assert set(parts) - {c["index"] for c in done} <= {len(done)}
+        # Whole calls are whole; those cut short (Mistral's list holds several) went
+        # as far as their parts, each a prefix of its arguments, and are not text.
+        assert set(parts) - {c["index"] for c in done} == set(range(len(done), len(parts)))
         for index, drawn in parts.items():
             assert json.dumps(calls[index][1], ensure_ascii=False).startswith(drawn)
-        if len(done) in parts:  # the call cut short went out in parts: it is not text
+        if len(parts) > len(done):
             assert "{" not in "".join(out.content for out in outs)
+
+
+def test_a_turn_continued_after_a_cut_goes_on_as_its_clients_saw_it() -> None:
+    """A turn that ended by length and is continued: the new parser is fed what was
+    published and finished as the first was, so nothing is handed out twice. Held to
+    its calls, the call cut short goes on drawing; free, the text the first turn's end
+    let out as text stays text (it would otherwise come again as a call)."""
+    rng = random.Random("continued")
+    for fmt in FORMATS:
+        for _ in range(200):
+            calls = random_calls(rng)
+            text = fmt.calls_text(calls)
+            cut = rng.randint(1, len(text) - 1)
+            for streams in (True, False):
+                first = run(fmt.parser(NAMES, "c", streams), random_cuts(rng, text[:cut]))
+                again = fmt.parser(NAMES, "c", streams)
+                again.feed(text[:cut])
+                again.finish()
+                outs = first + run(again, random_cuts(rng, text[cut:]))
+                got = [c for out in outs for c in out.calls]
+                content = "".join(out.content for out in outs)
+                # What went out as text is not a call too: each character once at most.
+                bodies = [fmt._body(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                          for c in got]  # fmt: skip
+                assert len(content) + sum(map(len, bodies)) <= len(text)
+                if streams:  # a call cut short goes on, and its parts join to it
+                    cut_short = set(joined_parts(first)) - {
+                        c["index"] for o in first for c in o.calls
+                    }
+                    assert cut_short <= {c["index"] for c in got}
+                    assert joined_parts(outs) == {
+                        c["index"]: c["function"]["arguments"] for c in got
+                    }
 
 
 def test_a_free_turn_hands_its_calls_out_whole_only() -> None:
