@@ -424,6 +424,49 @@ async def test_function_calls_through_the_responses_api(serve: tuple[int, Path])
         await client.responses.create(**{**asked, "tools": [{"type": "web_search"}]})
 
 
+async def test_a_call_drawn_over_the_responses_socket_resumes_inside_its_pieces(
+    serve: tuple[int, Path],  # noqa: F811
+) -> None:
+    """OpenAI's WebSocket mode (``responses.connect()``): a call held to its tool
+    streams as drawn; the socket dropped inside its pieces, a new one resumes
+    (``response.resume``) with the next piece, each event once, numbered on."""
+    from tests.wsinfer.test_responses_ws import drop, until_end
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_ARGS, "strict": True}
+    asked: Any = {
+        "model": "wsinfer", "input": "What is the weather in Paris?", "tools": [tool],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "parallel_tool_calls": False, "temperature": 1.0, "max_output_tokens": 80,
+    }  # fmt: skip
+    async with client.responses.connect() as conn:
+        await conn.response.create(**asked)
+        before: list[Any] = []
+        async for event in conn:
+            before.append(event)
+            pieces = [e for e in before if e.type == "response.function_call_arguments.delta"]
+            if len(pieces) == 2 or event.type in ("response.completed", "response.incomplete"):
+                break
+        drop(conn)
+    assert before[-1].type == "response.function_call_arguments.delta"  # cut inside them
+    rid, last = before[0].response.id, before[-1].sequence_number
+    async with client.responses.connect() as conn:
+        resume = {"type": "response.resume", "response_id": rid, "starting_after": last}
+        await conn.send(resume)  # type: ignore[arg-type]
+        after = await until_end(conn)
+    got = [*before, *after]
+    seen = [e.sequence_number for e in got]
+    assert seen == sorted(set(seen)) and after[0].sequence_number > last
+    added = next(e for e in got if e.type == "response.output_item.added" and e.output_index == 1)
+    drawn = added.item.arguments + "".join(
+        e.delta for e in got if e.type == "response.function_call_arguments.delta"
+    )
+    final = after[-1].response
+    assert final.status == "completed"
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    assert drawn == call.arguments and call.name == "get_weather"
+
+
 async def test_a_vanished_reader_of_n_choices_leaves_nothing_followed(
     serve: tuple[int, Path],  # noqa: F811
 ) -> None:
