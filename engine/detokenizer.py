@@ -26,6 +26,7 @@ was already emitted.
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .logprobs import TokenBytes
@@ -88,7 +89,10 @@ class _StopStrings:
 class ByteDetokenizer(_StopStrings):
     """A byte-level vocabulary's tokens, as bytes through an incremental UTF-8 decoder."""
 
-    def __init__(self, pieces: TokenPieces, stop: tuple[str, ...] | list[str] = ()) -> None:
+    def __init__(
+        self, pieces: Callable[[int], bytes], stop: tuple[str, ...] | list[str] = ()
+    ) -> None:
+        """``pieces``: a token's bytes (``TokenPieces`` for a tokenizer)."""
         super().__init__(stop)
         self.pieces = pieces
         # Invalid bytes become U+FFFD, as the tokenizer's own (lossy) decode has them.

@@ -7,14 +7,16 @@ and WebSocket path carry its deltas, so a frontend can be loaded without a
 model or a GPU. ``fake:RATE:stamp`` makes each token's text its production
 time (`` <unix µs>``), so a client can measure publish-to-receive delay.
 
-The public API and outputs are ``EngineCore``'s: add / abort / step /
-has_unfinished / cached_length / drop_cache / num_running / num_waiting, and
-``RequestOutput`` (a turn with tools split into content and calls as theirs
-are, by ``tool_calls.py``). Token ``i`` of a turn is always the same word, so a turn
-taken over from the token log continues the same text. ``max_new_tokens``
-and ``stop`` strings are honoured; the context never runs out. Finished and
-paused turns keep a nominal KV handle (token ids only) so resume and
-next-turn cache hits look like the real engine's.
+``FakeCore`` is a ``lifecycle.CoreBase`` whose model is ``FakeRunner``: which
+words each running stream draws at a step, at the set rate. Everything else is
+the model cores' own: the lifecycle takes add / abort / pause, ends turns and
+keeps their KV handles, and the output processor (``output.py``) turns each
+draw into its output (a byte detokenizer over the words, stop strings, the
+length limit, logprobs, a turn with tools split into content and calls). Token
+``i`` of a turn is always the same word, so a turn taken over from the token
+log continues the same text. The context never runs out. Finished and paused
+turns keep a nominal KV handle (token ids only) so resume and next-turn cache
+hits look like the real engine's.
 """
 
 from __future__ import annotations
@@ -24,17 +26,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsinfer.contract import ErrorCode, FinishReasonName
-from wsinfer.engine.core import EngineRequest, RequestOutput
+from wsinfer.engine.detokenizer import ByteDetokenizer, Detokenizer
 from wsinfer.engine.fake_spec import FakeSpec
-from wsinfer.engine.lifecycle import refused
+from wsinfer.engine.lifecycle import CoreBase, EngineConfig
 from wsinfer.engine.logprobs import TokenLogprob
 from wsinfer.engine.lru import LRUBacked, RetainedLRU
-from wsinfer.engine.requests import SequenceStatus
-from wsinfer.engine.stats import CoreStats, kept_caches
-from wsinfer.engine.tool_calls import call_parser, split_calls, with_tools
-from wsinfer.sessions.schema import TurnError, Usage
-from wsinfer.tool_formats import CallParser, format_for_template
+from wsinfer.engine.output import OutputProcessor
+from wsinfer.engine.requests import EngineRequest, RequestOutput, Sequence
+from wsinfer.sessions.schema import TurnError
+from wsinfer.tool_formats import format_for_template
 
 WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
 # Nominal size of one token's KV, so the cache metrics move like a small model's.
@@ -71,15 +71,73 @@ class FakeLoaded:
     max_context: int = 1 << 30
 
 
-@dataclass
-class _Stream:
-    request: EngineRequest
-    started: float  # monotonic time of add(): token k is due at started + k / rate
-    num_generated: int
+class FakeWords:
+    """The fake model's vocabulary: token ``i`` is the word ``WORDS[i % 8]``, or with
+    ``stamp`` set (``fake:RATE:stamp``) the time of the step that drew it."""
+
+    def __init__(self) -> None:
+        self.stamp: str | None = None
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes (its word), for logprobs entries."""
+        return WORDS[token % len(WORDS)].encode()
+
+    def piece(self, token: int) -> bytes:
+        return self.stamp.encode() if self.stamp is not None else self.token_bytes(token)
+
+    def new(self, context_ids: list[int], stop: tuple[str, ...] | list[str]) -> Detokenizer:
+        """A turn's detokenizer (``output.MakesDetokenizers``)."""
+        return ByteDetokenizer(self.piece, stop)
+
+
+@dataclass(eq=False)
+class FakeSequence(Sequence):
+    started: float = 0.0  # monotonic time of add(): token k is due at started + k / rate
     emitted: int = 0  # tokens produced since add()
-    cached_tokens: int = 0
-    tail: str = ""  # recent text, to find stop strings that span tokens
-    calls: CallParser | None = None  # a turn with tools: reads the calls out of its text
+
+
+class FakeRunner:
+    """The fake model: what each running stream draws at a step, at the spec's rate."""
+
+    def __init__(self, spec: FakeSpec) -> None:
+        self.spec = spec
+        self.last_step = 0.0  # monotonic time of the last step that gave tokens
+
+    def step_due(self, seqs: list[FakeSequence], woken: bool) -> bool:
+        """Sleep until the next step is due (a real step takes time too): no busy loop.
+
+        At a finite rate the core steps as a real one does, its whole batch at
+        once, at most every 1/rate s: each running stream gets what is due by
+        then. Stepping whenever any one stream had a token due made 200
+        streams at 20 tokens/s 4,000 one-token steps a second, and the engine
+        process's per-step work, not the relay, the cost being measured.
+        False: woken early (the process polls controls between steps); ``woken``:
+        aborts came, which step at once."""
+        if not seqs or math.isinf(self.spec.tokens_per_s) or woken:
+            return True
+        rate = self.spec.tokens_per_s
+        first = min(s.started + (s.emitted + 1) / rate for s in seqs)
+        delay = max(first, self.last_step + 1 / rate) - time.monotonic()
+        if delay <= 0:
+            return True
+        time.sleep(min(delay, 0.01))
+        return delay <= 0.01
+
+    def draws(self, seq: FakeSequence, now: float) -> tuple[list[int], list[TokenLogprob | None]]:
+        """``seq``'s tokens due by ``now`` (at most ``MAX_TOKENS_PER_STEP``), and their
+        log-probabilities where it asked: the fake model is sure of every word
+        (log-probability 0, no alternative)."""
+        rate = self.spec.tokens_per_s
+        due = seq.emitted + 1 if math.isinf(rate) else int((now - seq.started) * rate)
+        n = max(0, min(due - seq.emitted, MAX_TOKENS_PER_STEP))
+        seq.emitted += n
+        tokens = [(seq.num_generated + k) % len(WORDS) for k in range(n)]
+        params = seq.request.params
+        if not params.logprobs:
+            return tokens, [None] * n
+        return tokens, [
+            TokenLogprob(t, 0.0, ((t, 0.0),) if params.top_logprobs else ()) for t in tokens
+        ]
 
 
 class _FakeStore(LRUBacked):
@@ -111,201 +169,81 @@ def _nominal_bytes(token_ids: list[int]) -> int:
     return len(token_ids) * FAKE_KV_BYTES_PER_TOKEN
 
 
-class FakeCore:
+class FakeCore(CoreBase):
+    no_grammar = "the fake model cannot follow a response_format"  # its words follow none
+
     def __init__(
         self, spec: FakeSpec, *, max_batch_size: int = 16, kv_cache_bytes: int = 2 << 30
     ) -> None:
         self.spec = spec
         self.max_batch_size = max_batch_size
+        self.words = FakeWords()
+        loaded = FakeLoaded(name="fake")
+        # Its tokenizer has no chat template: tool calls in the default format.
+        tool_format = format_for_template(None)
+        output = OutputProcessor(
+            (), loaded.max_context, self.words.token_bytes, self.words, tool_format
+        )
+        config = EngineConfig(max_batch_size=max_batch_size, kv_cache_bytes=kv_cache_bytes)
+        super().__init__(loaded, config, output)
         self.store = _FakeStore(kv_cache_bytes)
-        self._streams: dict[str, _Stream] = {}  # insertion order = admission order
-        self._immediate: list[RequestOutput] = []
-        self._aborts: dict[str, bool] = {}
-        self._last_step = 0.0  # monotonic time of the last step that gave tokens
-        self.tool_format = format_for_template(None)  # its tokenizer has no chat template
-
-    # --- EngineCore's public API ------------------------------------------------
-
-    def stats(self) -> CoreStats:
-        return CoreStats(**kept_caches(self.store))
-
-    def add(self, request: EngineRequest) -> None:
-        rid = request.request_id
-        if rid in self._streams or any(o.request_id == rid for o in self._immediate):
-            raise ValueError(f"duplicate request id {rid!r}")
-        request = with_tools(request, self.tool_format)
-        if request.params.response_format is not None:
-            # Its words follow no grammar: refuse rather than answer outside the format.
-            message = "the fake model cannot follow a response_format"
-            self._immediate.append(refused(request, TurnError(ErrorCode.BAD_REQUEST, message)))
-            return
-        stream = _Stream(request, time.monotonic(), len(request.generated_ids))
-        stream.calls = call_parser(request, self.tool_format)
-        stream.cached_tokens = self._reuse(request)
-        if stream.num_generated >= request.params.max_new_tokens:  # rebuilt, already over
-            self._immediate.append(self._final(stream, "length", [], ""))
-            return
-        self._streams[rid] = stream
-
-    def abort(self, request_id: str, *, pause: bool = False) -> None:
-        if request_id in self._streams:
-            self._aborts[request_id] = pause
-
-    def step(self) -> list[RequestOutput]:
-        outputs, self._immediate = self._immediate, []
-        outputs += self._process_aborts()
-        if not self._step_due():
-            return outputs
-        now = self._last_step = time.monotonic()
-        stamp = f" {time.time_ns() // 1000}" if self.spec.stamp else None
-        for stream in list(self._streams.values())[: self.max_batch_size]:
-            outputs += self._advance(stream, now, stamp)
-        return outputs
-
-    def has_unfinished(self) -> bool:
-        return bool(self._streams or self._immediate)
-
-    def cached_length(self, cache_key: str) -> int:
-        return self.store.length(cache_key)
-
-    def drop_cache(self, cache_key: str) -> None:
-        self.store.drop(cache_key)
+        self.runner = FakeRunner(spec)
+        self._woken = False  # this step ended aborts: it runs at once
 
     @property
     def num_running(self) -> int:
-        return min(len(self._streams), self.max_batch_size)
+        return min(len(self._seqs), self.max_batch_size)
 
     @property
     def num_waiting(self) -> int:
-        return max(0, len(self._streams) - self.max_batch_size)
+        return max(0, len(self._seqs) - self.max_batch_size)
 
-    # --- the step -----------------------------------------------------------------
+    # --- the step (``CoreBase.step``) ------------------------------------------------
 
-    def _step_due(self) -> bool:
-        """Sleep until the next step is due (a real step takes time too): no busy loop.
-
-        At a finite rate the core steps as a real one does, its whole batch at
-        once, at most every 1/rate s: each running stream gets what is due by
-        then. Stepping whenever any one stream had a token due made 200
-        streams at 20 tokens/s 4,000 one-token steps a second, and the engine
-        process's per-step work, not the relay, the cost being measured.
-        False: woken early (the process polls controls between steps)."""
-        if not self._streams or math.isinf(self.spec.tokens_per_s) or self._aborts:
-            return True
-        rate = self.spec.tokens_per_s
-        first = min(s.started + (s.emitted + 1) / rate for s in self._streams.values())
-        delay = max(first, self._last_step + 1 / rate) - time.monotonic()
-        if delay <= 0:
-            return True
-        time.sleep(min(delay, 0.01))
-        return delay <= 0.01
-
-    def _advance(self, stream: _Stream, now: float, stamp: str | None) -> list[RequestOutput]:
-        rate = self.spec.tokens_per_s
-        due = stream.emitted + 1 if math.isinf(rate) else int((now - stream.started) * rate)
-        outputs: list[RequestOutput] = []
-        for _ in range(min(due - stream.emitted, MAX_TOKENS_PER_STEP)):
-            outputs.append(self._token(stream, stamp))
-            if outputs[-1].finished:
-                break
-        if len(outputs) > 1:  # one output carrying them all
-            last = outputs[-1]
-            last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
-            last.text = "".join(out.text for out in outputs)
-            last.logprobs = [lp for out in outputs for lp in out.logprobs]
-            outputs = [last]
-        if stream.calls is not None:
-            outputs = [split_calls(stream.calls, out) for out in outputs]
+    def _forward(self) -> list[RequestOutput]:
+        """Each running stream's due words, one output each (``_accept_tokens``)."""
+        seqs: list[FakeSequence] = list(self._seqs.values())  # admission order
+        if not self.runner.step_due(seqs, self._woken):
+            return []
+        now = self.runner.last_step = time.monotonic()
+        self.words.stamp = f" {time.time_ns() // 1000}" if self.spec.stamp else None
+        outputs = []
+        for seq in seqs[: self.max_batch_size]:
+            tokens, logprobs = self.runner.draws(seq, now)
+            if tokens:
+                outputs.append(self._accept_tokens(seq, tokens, logprobs))
         return outputs
-
-    def _token(self, stream: _Stream, stamp: str | None) -> RequestOutput:
-        token = stream.num_generated % len(WORDS)
-        text = stamp if stamp is not None else WORDS[token]
-        stream.num_generated += 1
-        stream.emitted += 1
-        reason: FinishReasonName | None = None
-        stop_at = self._find_stop(stream, text)
-        if stop_at is not None:
-            reason, text = "stop", text[:stop_at]
-        elif stream.num_generated >= stream.request.params.max_new_tokens:
-            reason = "length"
-        # The fake model is sure of every word: log-probability 0, no alternative.
-        params = stream.request.params
-        top = ((token, 0.0),) if params.top_logprobs else ()
-        logprobs = [TokenLogprob(token, 0.0, top)] if params.logprobs else []
-        if reason is not None:
-            final = self._final(stream, reason, [token], text)
-            final.logprobs = logprobs
-            return final
-        out = RequestOutput(stream.request.request_id, [token], text, stream.num_generated)
-        out.logprobs = logprobs
-        return out
-
-    def token_bytes(self, token: int) -> bytes:
-        """A token's bytes (its word), for logprobs entries."""
-        return WORDS[token % len(WORDS)].encode()
-
-    def _find_stop(self, stream: _Stream, text: str) -> int | None:
-        """Where in ``text`` a stop string completes (its start), if one does."""
-        stops = stream.request.params.stop
-        if not stops:
-            return None
-        window = stream.tail + text
-        hits = [window.find(s) for s in stops if s in window]
-        stream.tail = window[-max(map(len, stops)) :]
-        if not hits:
-            return None
-        return max(0, min(hits) - (len(window) - len(text)))
-
-    # --- leaving ---------------------------------------------------------------------
 
     def _process_aborts(self) -> list[RequestOutput]:
-        outputs = []
-        for rid, pause in self._aborts.items():
-            stream = self._streams.get(rid)
-            if stream is not None:
-                reason: FinishReasonName | None = None if pause else "cancelled"
-                status = SequenceStatus.PAUSED if pause else SequenceStatus.FINISHED
-                outputs.append(self._final(stream, reason, [], "", status))
-        self._aborts.clear()
-        return outputs
+        self._woken = bool(self._aborts)
+        return super()._process_aborts()
 
-    def _final(
-        self,
-        stream: _Stream,
-        reason: FinishReasonName | None,
-        new_ids: list[int],
-        text: str,
-        status: SequenceStatus = SequenceStatus.FINISHED,
-    ) -> RequestOutput:
-        request = stream.request
-        self._streams.pop(request.request_id, None)
-        kv_len = self._retain(stream)
-        return RequestOutput(
-            request.request_id,
-            new_ids,
-            text,
-            stream.num_generated,
-            status,
-            reason,
-            usage=Usage(len(request.prompt_ids), stream.num_generated, stream.cached_tokens),
-            kv_len=kv_len,
-        )
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        return self._faulted(list(self._seqs.values())[: self.max_batch_size], message)
+
+    # --- admission -------------------------------------------------------------------
+
+    def _sequence_type(self) -> type[Sequence]:
+        return FakeSequence
+
+    def _validate(self, request: EngineRequest) -> TurnError | None:
+        return None  # any prompt, the empty one too: its context never runs out
+
+    def _enqueue(self, seq: FakeSequence) -> None:
+        seq.started = time.monotonic()
+        seq.cached_tokens = self._reuse(seq.request)
 
     # --- the nominal KV cache ------------------------------------------------------------
 
-    def _tokens(self, stream: _Stream) -> list[int]:
-        request = stream.request
-        generated = list(request.generated_ids)
-        generated += [i % len(WORDS) for i in range(len(generated), stream.num_generated)]
-        return list(request.prompt_ids) + generated
-
-    def _retain(self, stream: _Stream) -> int | None:
-        key = stream.request.cache_key
+    def _retain(self, seq: FakeSequence) -> int | None:
+        key = seq.request.cache_key
         if key is None:
             return None
-        tokens = self._tokens(stream)
+        tokens = list(seq.tokens)
         return len(tokens) if self.store.put(key, tokens) else None
+
+    def _remove(self, seq: FakeSequence) -> None:
+        self._seqs.pop(seq.id, None)
 
     def _reuse(self, request: EngineRequest) -> int:
         """Tokens of the request's context a retained handle covers (as ``EngineCore``)."""

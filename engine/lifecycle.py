@@ -1,13 +1,15 @@
 """What every engine core shares: requests, outputs, and a request's life.
 
 An engine core (``EngineCore`` on the paged fast path, ``EagerEngineCore`` for
-any other transformers model) takes ``add`` / ``abort`` and returns
-``RequestOutput`` lists from ``step``; ``Core`` is that API, typed. ``CoreBase``
-owns the part that does not depend on how the forward pass runs: the step's
-skeleton (aborts, the forward, what a failed forward does to its requests),
-admission checks and rebuilding a request from its token log; what a sampled
-token means (end-of-sequence, stop strings, length, tool calls, the outputs) is
-the ``OutputProcessor``'s (``output.py``).
+any other transformers model, the model-free ``fake.FakeCore``) takes ``add`` /
+``abort`` and returns ``RequestOutput`` lists from ``step``; ``Core`` is that
+API, typed. ``CoreBase`` owns the part that does not depend on how the forward
+pass runs: the step's skeleton (aborts and pauses, the forward, what a failed
+forward does to its requests), admission checks, rebuilding a request from its
+token log, and a sequence's end (its KV retained, its final output); what a
+sampled token means (end-of-sequence, stop strings, length, tool calls, the
+outputs) is the ``OutputProcessor``'s (``output.py``), which every core's draws
+go through (``_accept``, ``_accept_tokens``).
 Subclasses run the forward and say how a sequence's KV is retained and how it
 leaves the batch.
 """
@@ -26,8 +28,7 @@ from wsinfer.sessions.schema import TurnError, Usage
 
 from .grammar import Grammars
 from .logprobs import TokenLogprob
-from .model import LoadedModel
-from .output import OutputProcessor
+from .output import Accepted, OutputProcessor
 from .requests import EngineRequest, RequestOutput, Sequence, SequenceStatus
 from .sampling import fresh_seed
 from .stats import CoreStats, kept_caches
@@ -99,11 +100,18 @@ class CoreBase:
     store: Any  # retained KV caches by cache key (``length``, ``drop``)
     grammars: Grammars | None = None  # set by the cores whose sampling can be masked
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None) -> None:
+    # What a response_format is refused with where the core has no grammars.
+    no_grammar = "this engine cannot follow a response_format"
+
+    def __init__(
+        self, loaded: Any, config: EngineConfig | None, output: OutputProcessor | None = None
+    ) -> None:
+        """``loaded``: a ``LoadedModel`` (or a stand-in with its ``device``, where
+        ``output`` is given: the output processor is otherwise the model's)."""
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.device = loaded.device
-        self.output = OutputProcessor(loaded, loaded.max_context)
+        self.output = output or OutputProcessor.for_model(loaded, loaded.max_context)
         self.eos = self.output.eos
         self.token_bytes = self.output.token_bytes  # for logprobs entries
         self._seqs: dict[str, Any] = {}
@@ -223,7 +231,7 @@ class CoreBase:
         """Give ``seq`` its response_format's matcher, past the tokens it already has."""
         fmt = seq.request.params.response_format
         if self.grammars is None or fmt is None:
-            return TurnError(ErrorCode.BAD_REQUEST, "this engine cannot follow a response_format")
+            return TurnError(ErrorCode.BAD_REQUEST, self.no_grammar)
         try:
             seq.constraint = self.grammars.constraint(fmt, seq.request.generated_ids)
         except ResponseFormatError as exc:
@@ -235,16 +243,41 @@ class CoreBase:
     def _accept(
         self, seq: Sequence, token: int, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
-        seq.tokens.append(token)
-        seq.num_generated += 1
-        if seq.seen is not None and token < seq.seen.shape[0]:
-            seq.seen[token] = True
-        out = self.output.accept(seq, token, logprob)
+        """``seq``'s next sampled token, through the output processor: its output."""
+        out = self._append(seq, token, logprob)
         if out.reason is not None:
             return self._final_output(
                 seq, out.reason, out.new_ids, out.text, error=out.error, logprobs=out.logprobs
             )
         return self.output.output(seq, out)
+
+    def _accept_tokens(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob | None]
+    ) -> RequestOutput:
+        """Several of ``seq``'s tokens at once (up to the first that ends it), in one
+        output: as ``_accept`` for each, their ids, text and logprobs joined."""
+        if len(tokens) == 1:
+            return self._accept(seq, tokens[0], logprobs[0])
+        ids: list[int] = []
+        text: list[str] = []
+        entries: list[TokenLogprob] = []
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            out = self._append(seq, token, logprob)
+            ids += out.new_ids
+            text.append(out.text)
+            entries += out.logprobs
+            if out.reason is not None:
+                return self._final_output(
+                    seq, out.reason, ids, "".join(text), error=out.error, logprobs=entries
+                )
+        return self.output.output(seq, Accepted(ids, "".join(text), logprobs=entries))
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> Accepted:
+        seq.tokens.append(token)
+        seq.num_generated += 1
+        if seq.seen is not None and token < seq.seen.shape[0]:
+            seq.seen[token] = True
+        return self.output.accept(seq, token, logprob)
 
     def _process_aborts(self) -> list[RequestOutput]:
         outputs = []

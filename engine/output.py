@@ -1,23 +1,26 @@
 """The one output processor: what each sampled token means for its turn.
 
-Both model cores (``EngineCore`` on the paged fast path, ``EagerEngineCore``)
-hand every sampled token to ``OutputProcessor.accept``. It owns the
-detokenizer (text held back for a partial UTF-8 character or a possible stop
-string, rebuilt from a turn's token log), the end-of-sequence tokens, stop
-strings, the length and context limits, the response_format's matcher, and
-the logprobs entries that ride with a token, and a turn's tool calls (its text
-split into content and completed calls, ``tool_calls.py``); and it builds every
-output. The cores keep only what depends on how the forward runs: where a
+Every core (``EngineCore`` on the paged fast path, ``EagerEngineCore``, the
+model-free ``fake.FakeCore``) hands every sampled token to
+``OutputProcessor.accept``, through the lifecycle (``CoreBase._accept``). It
+owns the detokenizer (text held back for a partial UTF-8 character or a
+possible stop string, rebuilt from a turn's token log), the end-of-sequence
+tokens, stop strings, the length and context limits, the response_format's
+matcher, and the logprobs entries that ride with a token, and a turn's tool
+calls (its text split into content and completed calls, ``tool_calls.py``);
+and it builds every output. The cores keep only what depends on how the forward runs: where a
 sequence's KV goes when it ends, and how it leaves the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from wsinfer.contract import ErrorCode, FinishReasonName
 from wsinfer.sessions.schema import GenerationParams, TurnError, Usage
-from wsinfer.tool_formats import CallParser, format_for_template
+from wsinfer.tool_formats import CallParser, ToolFormat, format_for_template
 
 from .detokenizer import Detokenizer, Detokenizers
 from .logprobs import TokenBytes, TokenLogprob
@@ -38,14 +41,34 @@ class Accepted:
     error: TurnError | None = None
 
 
+class MakesDetokenizers(Protocol):
+    """Where a turn's detokenizer comes from (``detokenizer.Detokenizers`` for a model)."""
+
+    def new(self, context_ids: list[int], stop: tuple[str, ...] | list[str]) -> Detokenizer: ...
+
+
 class OutputProcessor:
-    def __init__(self, loaded: LoadedModel, max_context: int) -> None:
-        self.eos = frozenset(loaded.eos_token_ids)
+    def __init__(
+        self,
+        eos: Iterable[int],
+        max_context: int,
+        token_bytes: Callable[[int], bytes],
+        detokenizers: MakesDetokenizers,
+        tool_format: ToolFormat,
+    ) -> None:
+        self.eos = frozenset(eos)
         self.max_context = max_context
-        self.token_bytes = TokenBytes(loaded.tokenizer)  # for logprobs entries
-        self.detokenizers = Detokenizers(loaded.tokenizer, self.token_bytes)
-        # How this model writes tool calls: read back out of its text in that format.
-        self.tool_format = format_for_template(getattr(loaded.tokenizer, "chat_template", None))
+        self.token_bytes = token_bytes  # for logprobs entries
+        self.detokenizers = detokenizers
+        self.tool_format = tool_format  # the model writes its calls so: read back alike
+
+    @classmethod
+    def for_model(cls, loaded: LoadedModel, max_context: int) -> OutputProcessor:
+        """A loaded model's: its tokenizer's detokenizers, its chat template's tool calls."""
+        token_bytes = TokenBytes(loaded.tokenizer)
+        detokenizers = Detokenizers(loaded.tokenizer, token_bytes)
+        tool_format = format_for_template(getattr(loaded.tokenizer, "chat_template", None))
+        return cls(loaded.eos_token_ids, max_context, token_bytes, detokenizers, tool_format)
 
     def ends(self, params: GenerationParams) -> frozenset[int]:
         """The tokens that end a turn: the model's end-of-sequence tokens, unless ignored."""

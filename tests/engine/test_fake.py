@@ -148,3 +148,55 @@ def test_at_a_set_rate_the_whole_batch_steps_together() -> None:
         if any(out.new_token_ids for out in core.step()):
             steps_with_tokens += 1
     assert steps_with_tokens <= 15  # 10 tokens each at 50/s: ~11 steps (one per token, 200)
+
+
+# --- through the one lifecycle and output processor -----------------------------------
+
+
+def test_a_paused_turn_keeps_its_kv_handle_and_the_resume_starts_from_it() -> None:
+    core = FakeCore(FakeSpec(float("inf")))
+    core.add(request("s:1", n=100, cache_key="s"))
+    for _ in range(3):
+        core.step()
+    core.abort("s:1", pause=True)
+    (paused,) = core.step()
+    assert paused.paused and paused.finish_reason is None and paused.new_token_ids == []
+    assert paused.kv_len == 3 + 3 and core.cached_length("s") == 6
+    resumed = request("s:1", n=100, cache_key="s", generated_ids=[0, 1, 2])
+    core.add(resumed)
+    (first,) = core.step()
+    assert first.text == WORDS[3]
+    core.abort("s:1")
+    (cancelled,) = core.step()
+    assert cancelled.usage is not None and cancelled.usage.cached_tokens == 5
+
+
+def test_a_stop_string_across_words_is_cut_where_it_begins() -> None:
+    """As in the model cores: text that may begin a stop string is held back."""
+    core = FakeCore(FakeSpec(float("inf")))
+    core.add(request(n=100, stop=["m d"]))
+    outputs = run_all(core)["s:1"]
+    assert [o.text for o in outputs] == [" lore", "m ipsu", ""]
+    assert outputs[-1].finish_reason == "stop"
+
+
+def test_each_word_of_a_merged_output_carries_its_logprob() -> None:
+    core = FakeCore(FakeSpec(1000.0))
+    params = GenerationParams(max_new_tokens=500, logprobs=True, top_logprobs=1)
+    core.add(EngineRequest("s:1", [1, 2, 3], params))
+    time.sleep(0.02)
+    (out,) = core.step()
+    assert len(out.new_token_ids) > 1 and len(out.logprobs) == len(out.new_token_ids)
+    assert [lp.token for lp in out.logprobs] == out.new_token_ids
+    assert all(lp.logprob == 0.0 and lp.top == ((lp.token, 0.0),) for lp in out.logprobs)
+    assert core.token_bytes(out.new_token_ids[1]) == WORDS[1].encode()
+
+
+def test_a_response_format_is_refused_at_once() -> None:
+    core = FakeCore(FakeSpec(float("inf")))
+    params = GenerationParams(response_format='{"type":"json_object"}')
+    core.add(EngineRequest("s:1", [1, 2, 3], params))
+    (out,) = core.step()
+    assert out.finished and out.finish_reason == "error" and out.error is not None
+    assert out.error.message == "the fake model cannot follow a response_format"
+    assert not core.has_unfinished()
