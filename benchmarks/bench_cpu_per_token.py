@@ -8,6 +8,10 @@ stream's own rate, so that a change to the frontend, the store or the client
 shows what it saves (compare within one run, as ratios; name the CPU).
 
     .venv/bin/python benchmarks/bench_cpu_per_token.py --tokens 400 --threads 2
+
+``--model fake:RATE`` streams a model-free engine's words at RATE tokens a second:
+the frontend's, Redis's and the client's shares without the engine's threads
+competing for the cores, for changes to those three.
 """
 
 from __future__ import annotations
@@ -91,18 +95,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="serve --threads")
     parser.add_argument("--port", type=int, default=8019)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default=None, help="serve --model (default: serve's)")
     args = parser.parse_args()
     data = tempfile.mkdtemp(prefix="bench-cpu-")
+    model = ["--model", args.model] if args.model else []
     serve = subprocess.Popen(
         [str(ROOT / ".venv/bin/wsinfer"), "serve", "--port", str(args.port),
-         "--threads", str(args.threads), "--data-dir", data],
+         "--threads", str(args.threads), "--data-dir", data, *model],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         wait_healthy(args.port)
         asyncio.run(stream(args.port, 32))  # warm
         procs = process_tree(serve.pid)
-        print(f"# one WebSocket stream of {args.tokens} tokens, serve --threads {args.threads}")
+        what = f"serve --threads {args.threads}" + (f" --model {args.model}" if args.model else "")
+        print(f"# one WebSocket stream of {args.tokens} tokens, {what}")
         print("\n| round | tok/s | " + " | ".join(sorted(set(procs.values()))) + " | client |")
         print("|---" * (len(set(procs.values())) + 3) + "|")
         for n in range(args.rounds):

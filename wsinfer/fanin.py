@@ -66,10 +66,13 @@ def _raw_reply(response: Any, **options: Any) -> Any:
 
 
 def raw_xread_client(redis: aioredis.Redis) -> aioredis.Redis:
-    """A client on ``redis``'s connections whose XREAD replies are Redis's own
-    nested lists: redis-py's parsing (a tuple and a dict per entry) was about a
-    tenth of a relaying frontend's CPU, and the fan-in reads one field anyway."""
-    client = aioredis.Redis(connection_pool=redis.connection_pool)
+    """A client on one connection of ``redis``'s pool, kept, whose XREAD replies are
+    Redis's own nested lists: redis-py's parsing (a tuple and a dict per entry) was
+    about a tenth of a relaying frontend's CPU, and the fan-in reads one field
+    anyway; taking a connection from the pool and giving it back for every read
+    was a seventh of what remained. One reader at a time: the hot and the cold
+    XREAD each have their own."""
+    client = aioredis.Redis(connection_pool=redis.connection_pool, single_connection_client=True)
     client.set_response_callback("XREAD", _raw_reply)
     return client
 
@@ -151,8 +154,12 @@ class FanIn:
     ) -> None:
         self.redis = redis
         self.clock = clock
-        # The XREADs' client (a cluster's fan-in reads through its own nodes).
-        self.reader = redis if is_cluster(redis) else raw_xread_client(redis)
+        # The hot and the cold XREAD's clients (a cluster's fan-in reads through its
+        # own nodes).
+        if is_cluster(redis):
+            self.reader = self.cold_reader = redis
+        else:
+            self.reader, self.cold_reader = raw_xread_client(redis), raw_xread_client(redis)
         self.block_ms = block_ms
         self.streams: dict[str, _Stream] = {}
         self.owners: dict[Hashable, str] = {}
@@ -234,6 +241,10 @@ class FanIn:
         """Remove this frontend's wake-up stream (it also expires on its own)."""
         with contextlib.suppress(aioredis.RedisError):
             await self.redis.delete(self._hot_waker.key, self._cold_waker.key)
+        for reader in {id(r): r for r in (self.reader, self.cold_reader)}.values():
+            if reader is not self.redis:  # its connection back to the pool
+                with contextlib.suppress(aioredis.RedisError):
+                    await reader.aclose()
 
     async def run(self) -> None:
         """Read and dispatch until cancelled; rides out Redis outages with backoff."""
@@ -262,20 +273,20 @@ class FanIn:
 
     async def _read_once(self) -> None:
         """One blocking XREAD of the hot streams (and the hot wake-up stream)."""
-        await self._xread(self.hot, self._hot_waker)
+        await self._xread(self.hot, self._hot_waker, self.reader)
         now = self.clock()
         if now - self._demoted_at >= DEMOTE_EVERY_S:
             self._demote(now)
 
     async def _read_cold(self) -> None:
         """One blocking XREAD of the quiet streams; one that grows turns hot."""
-        grew = await self._xread(self.cold, self._cold_waker)
+        grew = await self._xread(self.cold, self._cold_waker, self.cold_reader)
         for stream in grew:
             self._promote(stream)
         if grew:  # the hot XREAD in flight does not name them yet
             self._request_wake()
 
-    async def _xread(self, streams: set[str], waker: _Waker) -> list[str]:
+    async def _xread(self, streams: set[str], waker: _Waker, reader: aioredis.Redis) -> list[str]:
         """XREAD ``streams`` from their positions; dispatch; the streams that grew."""
         wanted: dict[Any, Any] = {}
         for stream in streams:
@@ -283,7 +294,7 @@ class FanIn:
             if position is not None:
                 wanted[stream] = position
         wanted[waker.key] = waker.position
-        reply: Any = await self.reader.xread(wanted, block=self.block_ms)
+        reply: Any = await reader.xread(wanted, block=self.block_ms)
         grew = []
         for raw_stream, entries in reply:
             stream = as_str(raw_stream)

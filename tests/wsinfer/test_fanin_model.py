@@ -159,6 +159,7 @@ class FanInMachine(RuleBasedStateMachine):
         else:
             fan = FanIn(self.redis, "f-model", clock=self.clock)
             fan.reader = GatedReader(self.gate, raw_xread_client(self.redis))  # type: ignore[assignment]
+            fan.cold_reader = GatedReader(self.gate, raw_xread_client(self.redis))  # type: ignore[assignment]
         # Wake-ups only make a blocked read return early: here the test decides when.
         fan._hot_waker.request = lambda: None  # type: ignore[method-assign]
         fan._cold_waker.request = lambda: None  # type: ignore[method-assign]
