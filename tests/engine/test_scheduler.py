@@ -198,6 +198,21 @@ def test_a_row_whose_pending_token_ends_it_is_not_scheduled() -> None:
     assert done.computed == 3 and going.computed == 4
 
 
+def test_one_result_applies_its_launch_then_the_draws_that_came_with_it() -> None:
+    """Async steps: step 2's result carries what step 2 ran and step 1's draws."""
+    s = make()
+    q = seq("a", [5] * 3)
+    s.add(q)
+    first = s.schedule()
+    s.update(StepResult(first.decode, first.prefill, first_token_at=s.rows.max_rows))
+    assert (q.computed, q.pending, q.row) == (3, 1, 0)  # its first draw is on the device
+    second = s.schedule()
+    assert second.decode == [q]
+    s.update(StepResult(second.decode, sampled=[Sampled(q, TOKEN)]))
+    assert (q.computed, q.pending) == (4, 1)  # one more on the device, the first on the host
+    assert s.rows.positions[0] == 4 and s.rows.src[0] == 0
+
+
 def test_a_row_at_the_context_limit_is_not_scheduled() -> None:
     s = make(max_context=8)
     q = seq("a", [5] * 7)
