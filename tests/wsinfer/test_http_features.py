@@ -71,7 +71,8 @@ async def test_structured_output_through_the_sdk_every_door(
     serve: tuple[int, Path],  # noqa: F811
 ) -> None:
     """response_format on chat (whole, streamed, the SDK's pydantic parse), the
-    Responses API's text.format, and the WebSocket's params: a random-weight model's
+    Responses API's text.format (over HTTP and its WebSocket mode), and the
+    WebSocket's params: a random-weight model's
     answers all parse and validate; a schema that cannot be enforced is a 400."""
     import jsonschema
     from pydantic import BaseModel
@@ -100,6 +101,19 @@ async def test_structured_output_through_the_sdk_every_door(
     jsonschema.validate(json.loads(response.output_text), THING)
     assert response.text is not None and response.text.format is not None
     assert response.text.format.type == "json_schema"
+    async with client.responses.connect() as conn:  # OpenAI's WebSocket mode
+        thing = {"type": "json_schema", "name": "thing", "schema": THING, "strict": True}
+        await conn.response.create(
+            model="wsinfer", input="Describe a thing.", max_output_tokens=60,
+            temperature=1.0, text={"format": thing},  # type: ignore[typeddict-item]
+        )  # fmt: skip
+        async for event in conn:
+            if event.type == "response.completed":
+                over_socket = event.response
+                break
+    jsonschema.validate(json.loads(over_socket.output_text), THING)
+    assert over_socket.text is not None and over_socket.text.format is not None
+    assert over_socket.text.format.type == "json_schema"
     ws = await Client.open(serve[0], additional_headers=AUTH)
     await ws.send(type="generate", messages=PROMPT, params={"response_format": fmt, "seed": 4})
     messages = await ws.until("done")
