@@ -242,9 +242,15 @@ class FanIn:
         with contextlib.suppress(aioredis.RedisError):
             await self.redis.delete(self._hot_waker.key, self._cold_waker.key)
         for reader in {id(r): r for r in (self.reader, self.cold_reader)}.values():
-            if reader is not self.redis:  # its connection back to the pool
-                with contextlib.suppress(aioredis.RedisError):
-                    await reader.aclose()
+            if reader is self.redis:
+                continue
+            # A read cancelled while blocked can leave its reply pending on the socket:
+            # the connection goes back to the pool closed, never with that reply (and
+            # closing the pool later does not wait for Redis to send it).
+            with contextlib.suppress(aioredis.RedisError, OSError):
+                if reader.connection is not None:
+                    await reader.connection.disconnect()
+                await reader.aclose()
 
     async def run(self) -> None:
         """Read and dispatch until cancelled; rides out Redis outages with backoff."""
