@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from wsinfer.tools import (
-    CALL_HEAD,
     CLOSE,
     SEPARATORS,
     CallStream,
@@ -204,13 +203,12 @@ class LeadingCalls:
                 if following is None:
                     return
                 self._next_at = following
-            head = CALL_HEAD.match(text, self._next_at)
-            keys = (self.fmt.arguments_key, "arguments")
-            if head is None or head[1] not in self.names or head[2] not in keys:
+            stream = CallStream.opening(
+                text, self._next_at, len(text), self.names, (self.fmt.arguments_key, "arguments"),
+                self.count + len(self.drawn), self.call_id_prefix, out,
+            )  # fmt: skip
+            if stream is None:
                 return
-            index = self.count + len(self.drawn)
-            stream = CallStream(index, f"{self.call_id_prefix}_{index}", head[1], head)
-            stream.start(out)
             self.drawn.append(stream)
             self._next_at = len(text)  # moved on once this call's object has ended
 

@@ -504,16 +504,35 @@ class CallStream:
     part that the call's completing output carries may be empty.
     """
 
-    def __init__(self, index: int, call_id: str, name: str, head: re.Match[str]) -> None:
-        self.index, self.call_id, self.name = index, call_id, name
+    def __init__(self, index: int, call_id_prefix: str, head: re.Match[str]) -> None:
+        self.index, self.name = index, head[1]
+        self.call_id = f"{call_id_prefix}_{index}"  # as ``read_call`` names it
         self.args = ArgumentsText()
         self.begins = head.start()  # where its object begins in the model's text
         self.fed = head.end()  # the model's text is fed to the arguments up to here
 
-    def start(self, out: Parsed) -> None:
-        part = self._part(out, "")
+    @classmethod
+    def opening(
+        cls,
+        text: str,
+        at: int,
+        end: int,
+        names: frozenset[str],
+        keys: tuple[str, ...],
+        index: int,
+        call_id_prefix: str,
+        out: Parsed,
+    ) -> CallStream | None:
+        """The call ``index`` if ``text[at:end]`` opens one of ``names`` with one of
+        ``keys`` for its arguments (``CALL_HEAD``), its first part in ``out``."""
+        head = CALL_HEAD.match(text, at, end)
+        if head is None or head[1] not in names or head[2] not in keys:
+            return None
+        stream = cls(index, call_id_prefix, head)
+        part = stream._part(out, "")
         part["type"] = "function"
-        part["function"] = {"name": self.name, **part["function"]}
+        part["function"] = {"name": stream.name, **part["function"]}
+        return stream
 
     def advance(self, text: str, end: int, out: Parsed) -> None:
         """Feed the arguments the text drawn since, up to ``end``."""
@@ -535,6 +554,11 @@ class CallStream:
             self._part(out, "")
         else:  # not JSON as drawn, but a call (models that write arguments as text)
             self._part(out, whole[len(streamed) :] if whole.startswith(streamed) else "")
+
+    @staticmethod
+    def shows(part: dict[str, Any]) -> bool:
+        """Whether a part has news for a reader: it opens its call, or has a piece."""
+        return "type" in part or bool(part["function"]["arguments"])
 
     def _part(self, out: Parsed, piece: str) -> dict[str, Any]:
         """This call's part of ``out`` (one per output), with ``piece`` added."""
@@ -594,13 +618,12 @@ class ToolCallParser:
         if not self.streams:
             return
         if self.open is None:
-            head = CALL_HEAD.match(self.text, body_start, body_end)
-            if head is None or head[1] not in self.names or head[2] != "arguments":
-                return
-            call_id = f"{self.call_id_prefix}_{self.count}"
-            self.open = CallStream(self.count, call_id, head[1], head)
-            self.open.start(out)
-        self.open.advance(self.text, body_end, out)
+            self.open = CallStream.opening(
+                self.text, body_start, body_end, self.names, ("arguments",),
+                self.count, self.call_id_prefix, out,
+            )  # fmt: skip
+        if self.open is not None:
+            self.open.advance(self.text, body_end, out)
 
     def finish(self) -> Parsed:
         """The turn ended: everything held is handed out, but a call whose parts went
@@ -612,9 +635,8 @@ class ToolCallParser:
             self._content(out, start)
             body_start = start + len(OPEN)
             body_end = len(self.text) - _partial(CLOSE, self.text, body_start)
-            if self.open is not None and self._call(self.text[body_start:body_end]) is None:
-                return out
-            self._call_or_text(out, body_start, body_end, len(self.text))
+            if not self._call_or_text(out, body_start, body_end, len(self.text), ended=True):
+                return out  # the call being drawn stays open
         self._content(out, len(self.text))
         return out
 
@@ -623,20 +645,29 @@ class ToolCallParser:
             out.content += self.text[self.done : end]
             self.done = end
 
-    def _call_or_text(self, out: Parsed, body_start: int, body_end: int, end: int) -> None:
+    def _call_or_text(
+        self, out: Parsed, body_start: int, body_end: int, end: int, ended: bool = False
+    ) -> bool:
+        """The body a call, or text; False where it is neither: a call whose parts went
+        out and is not whole stays as far as they went, and is not text (at the turn's
+        end, ``ended``, it stays open, for a continue to go on drawing it)."""
         call = self._call(self.text[body_start:body_end])
         drawn, self.open = self.open, None
-        if call is None and drawn is not None:  # cut short after its parts went out:
-            self.done = end  # it stays as far as they go, and is not text
-            return
+        if call is None and drawn is not None:
+            if ended:
+                self.open = drawn
+            else:
+                self.done = end
+            return False
         if call is None:
             self._content(out, end)
-            return
+            return True
         if drawn is not None:
             drawn.complete(call, out)
         out.calls.append(call)
         self.count += 1
         self.done = end
+        return True
 
     def _call(self, body: str) -> dict[str, Any] | None:
         try:
