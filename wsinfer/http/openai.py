@@ -27,6 +27,7 @@ from wsinfer.contract import (
 from wsinfer.errors import BadRequest, WsinferError
 from wsinfer.messages import MAX_DEPTH, Generate, Limits, check_value, parse_client_message
 from wsinfer.sessions.schema import GenerationParams, ParamsError
+from wsinfer.tools import CallStream
 
 OBJECT_CHUNK = "chat.completion.chunk"
 # The headers that name an answer's session(s), token(s) and turn(s).
@@ -570,18 +571,18 @@ def sse_for(completion: Completion, message: ServerMessage, include_usage: bool)
 def delta_chunk(completion: Completion, message: DeltaMessage) -> dict[str, Any]:
     """The chunk of a protocol ``delta``: its text, calls and log-probabilities."""
     delta: dict[str, Any] = {"content": message["text"]}
-    calls = streamed_calls(message)
+    calls = delta_tool_calls(message)
     if calls:
         delta = {"content": message["text"] or None, "tool_calls": calls}
     return completion.chunk(delta, logprobs=message.get("logprobs"))
 
 
-def streamed_calls(message: DeltaMessage) -> list[dict[str, Any]]:
+def delta_tool_calls(message: DeltaMessage) -> list[dict[str, Any]]:
     """A delta's ``delta.tool_calls`` as OpenAI streams them: the parts of calls drawn
     (a call's first with its ``id``, ``type`` and name; later ones its arguments' next
     piece), then each call completed here that came in no part, whole."""
     parts = message.get("tool_call_parts", [])
-    out = [_chat_part(p) for p in parts if "type" in p or p["function"]["arguments"]]
+    out = [_chat_part(p) for p in parts if CallStream.shows(p)]
     drawn = {p["index"] for p in parts}
     return out + [c for c in message.get("tool_calls", ()) if c["index"] not in drawn]
 

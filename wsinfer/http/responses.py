@@ -40,7 +40,7 @@ from wsinfer.http.openai import (
 from wsinfer.messages import Generate, Limits
 from wsinfer.response_format import responses_format
 from wsinfer.sessions.schema import GenerationParams
-from wsinfer.tools import tool_list
+from wsinfer.tools import CallStream, tool_list
 
 PREFIX = "resp_"
 HEAD = 3  # the opening events are numbered 0..HEAD; a delta at seq s is HEAD + s
@@ -521,10 +521,7 @@ def shown_part(text: str, parts: list[dict[str, Any]] | None) -> dict[str, Any] 
     nothing is left out; were one to, the call's closing events carry it whole."""
     if text:
         return None
-    for part in parts or ():
-        if "type" in part or part["function"]["arguments"]:
-            return part
-    return None
+    return next((part for part in parts or () if CallStream.shows(part)), None)
 
 
 def streamed_calls(deltas: list[tuple[str, list[dict[str, Any]] | None]]) -> set[int]:

@@ -193,14 +193,12 @@ class ResponsesRoutes:
     ) -> list[dict[str, Any]]:
         if message["type"] == "delta":
             calls, parts = message.get("tool_calls"), message.get("tool_call_parts")
-            if parts and events.before is None:  # a resumed reader: were its calls shown?
-                events.before = await self._output(events.view.rid, upto=events.seq_after)
+            if parts:  # a resumed reader: were its calls shown?
+                await self._read_before(events)
             text, lps = message["text"], message.get("logprobs")
             return events.delta_events(message["seq"], text, lps, calls, parts)
         if message["type"] == "done":
-            if events.before is None:
-                events.before = await self._output(events.view.rid, upto=events.seq_after)
-            return events.closing_events(message, events.before)
+            return events.closing_events(message, await self._read_before(events))
         if message["type"] == "error":  # the follow failed (a refusal): OpenAI's error ends it
             return [events.error_event(message["code"], message["message"])]
         return []
@@ -285,6 +283,12 @@ class ResponsesRoutes:
             return view.body("completed", out.text, message, out.logprobs, out.calls)
         status = live_status(info.status) if rid.turn == info.turn else "in_progress"
         return view.body(status, out.text if events else None, None, out.logprobs, out.calls)
+
+    async def _read_before(self, events: ResponseEvents) -> Output:
+        """What ``events``' reader had before its stream, read once (``before``)."""
+        if events.before is None:
+            events.before = await self._output(events.view.rid, upto=events.seq_after)
+        return events.before
 
     async def _output(self, rid: ResponseId, upto: int) -> Output:
         """The output of the turn's deltas up to seq ``upto``: what a resumed reader had."""
