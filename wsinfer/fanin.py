@@ -241,8 +241,8 @@ class FanIn:
         """Remove this frontend's wake-up stream (it also expires on its own)."""
         with contextlib.suppress(aioredis.RedisError):
             await self.redis.delete(self._hot_waker.key, self._cold_waker.key)
-        for reader in {id(r): r for r in (self.reader, self.cold_reader)}.values():
-            if reader is self.redis:
+        for reader in (self.reader, self.cold_reader):
+            if reader is self.redis:  # a cluster's: the fan-in reads through its nodes
                 continue
             # A read cancelled while blocked can leave its reply pending on the socket:
             # the connection goes back to the pool closed, never with that reply (and
