@@ -170,6 +170,15 @@ WEATHER = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# The Responses API's flat tool, and a request held to a call of it.
+RESPONSES_WEATHER = {
+    "type": "function", "name": "get_weather", "parameters": WEATHER_ARGS, "strict": True
+}  # fmt: skip
+ASKED_FOR_A_CALL: Any = {
+    "model": "wsinfer", "input": "What is the weather in Paris?", "tools": [RESPONSES_WEATHER],
+    "tool_choice": {"type": "function", "name": "get_weather"},
+    "parallel_tool_calls": False, "temperature": 1.0, "max_output_tokens": 80,
+}  # fmt: skip
 
 
 async def test_tool_calls_through_the_sdk_the_websocket_and_the_python_client(
@@ -369,12 +378,7 @@ async def test_function_calls_through_the_responses_api(serve: tuple[int, Path])
     import jsonschema
 
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
-    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_ARGS, "strict": True}
-    asked: Any = {
-        "model": "wsinfer", "input": "What is the weather in Paris?", "tools": [tool],
-        "tool_choice": {"type": "function", "name": "get_weather"},
-        "parallel_tool_calls": False, "temperature": 1.0, "max_output_tokens": 80,
-    }  # fmt: skip
+    tool, asked = RESPONSES_WEATHER, ASKED_FOR_A_CALL
     first = await client.responses.create(**asked)
     assert first.status == "completed" and first.tools[0].name == "get_weather"  # type: ignore[union-attr]
     calls = [item for item in first.output if item.type == "function_call"]
@@ -447,14 +451,8 @@ async def test_a_call_drawn_over_the_responses_socket_resumes_inside_its_pieces(
     from tests.wsinfer.test_responses_ws import drop, until_end
 
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve[0]}/v1", api_key=KEY)
-    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_ARGS, "strict": True}
-    asked: Any = {
-        "model": "wsinfer", "input": "What is the weather in Paris?", "tools": [tool],
-        "tool_choice": {"type": "function", "name": "get_weather"},
-        "parallel_tool_calls": False, "temperature": 1.0, "max_output_tokens": 80,
-    }  # fmt: skip
     async with client.responses.connect() as conn:
-        await conn.response.create(**asked)
+        await conn.response.create(**ASKED_FOR_A_CALL)
         before: list[Any] = []
         async for event in conn:
             before.append(event)
