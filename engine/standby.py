@@ -1,12 +1,16 @@
 """A standby engine: loaded and waiting, so that a dead engine's turns go on at once.
 
 ``wsinfer serve`` keeps one beside its engine (``--standby``): it loads the model
-and builds its core as any engine does, at a lower CPU priority so that it does
-not slow the engine that serves, then waits without touching Redis. When the
+and builds its core as any engine does, then waits without touching Redis. So
+that it does not slow the engine that serves, it loads at a lower CPU priority,
+and the supervisor holds it (SIGSTOP) whenever that engine is busy
+(``wsinfer/standby_pacing.py``): it loads in the pauses between answers. When the
 engine dies, the supervisor ends that engine's leases and sends SIGUSR1 here;
 this process takes its priority back and becomes the engine, and its first
 takeover scan continues every turn from the token log: a second, where loading
-a new engine would take many.
+a new engine would take many. Held, it is killed by its parent's death (the
+kernel's SIGKILL: a stopped process leaves SIGTERM pending); once it serves,
+that death sends SIGTERM again, as for any engine, so that it hands its turns back.
 
 The supervisor starts a standby with SIGUSR1 blocked (the mask survives exec),
 so an activation sent while this process is still starting waits for
@@ -24,6 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
+
+from wsinfer.parent_death import set_parent_death_signal
 
 from .early_stop import exit_on_stop_until_serving
 
@@ -61,6 +67,7 @@ class StandbyGate:
             if self.stopped.is_set() or orphaned():
                 return False
         exit_on_stop_until_serving()  # until EngineProcess.run takes the signals
+        set_parent_death_signal(signal.SIGTERM)
         restore_priority(self._niceness)
         log.info("standby engine activated")
         return True

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import shutil
 import signal
 import subprocess
@@ -33,17 +32,16 @@ import structlog
 
 from wsinfer.datadir import DataDirLock, default_data_dir
 from wsinfer.logs import announce as announce_line
+from wsinfer.parent_death import set_parent_death_signal
 from wsinfer.server import Frontend, FrontendConfig
 from wsinfer.sessions.handover import hand_over, last_heartbeat, registered_engines
+from wsinfer.standby_pacing import StandbyPacing
 from wsinfer.startup import start_frontend
 from wsinfer.stop_signals import StopSignals
 
 T = TypeVar("T")
 
 log = structlog.get_logger("wsinfer.serve")
-
-_PR_SET_PDEATHSIG = 1
-
 
 # Not `python -m wsinfer`: that puts the working directory first on sys.path, and run
 # inside a checkout the engine would import the checkout's wsinfer/ folder (which lacks
@@ -57,8 +55,7 @@ ENGINE_ENTRY = (
 
 def _die_with_parent() -> None:
     """preexec_fn: the kernel sends SIGTERM to the child when its parent dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def find_redis_server() -> str:
@@ -200,9 +197,12 @@ class EngineChild:
         return self.process.poll() is None
 
 
-def _block_activation() -> None:
-    """A standby's preexec: SIGUSR1 (``engine/standby.py``) waits until it is caught."""
+def _prepare_standby() -> None:
+    """A standby's preexec: SIGUSR1 (``engine/standby.py``) waits until it is caught,
+    and its parent's death kills it even while it is held (SIGSTOP, ``StandbyPacing``):
+    a stopped process leaves SIGTERM pending. Activated, it takes SIGTERM back."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    set_parent_death_signal(signal.SIGKILL)
 
 
 class EngineSupervisor:
@@ -211,7 +211,8 @@ class EngineSupervisor:
     The supervisor knows its child is dead, so nobody need wait out its leases
     (``hand_over``). With ``standby``, a second engine is loaded once the first
     serves and waits; a dead engine's turns then go on within a second, on the
-    standby, instead of after a new engine has loaded its model. ``seen`` says
+    standby, instead of after a new engine has loaded its model. The standby
+    loads only while the engine is idle (``StandbyPacing``). ``seen`` says
     whether an engine has sent its first heartbeat (it serves).
     """
 
@@ -232,6 +233,7 @@ class EngineSupervisor:
         self.seen = seen
         self.current: EngineChild | None = None
         self.standby: EngineChild | None = None
+        self.pacing = StandbyPacing()
         self.restarts = 0
         self._dead: list[str] = []  # engines whose turns are still to be handed over
 
@@ -246,7 +248,7 @@ class EngineSupervisor:
         engine_id = f"serve-{uuid.uuid4().hex[:8]}"
         command = [sys.executable, "-c", ENGINE_ENTRY, "engine", *self.argv]
         command += ["--engine-id", engine_id, *(["--standby"] if standby else [])]
-        preexec = _block_activation if standby else None
+        preexec = _prepare_standby if standby else None
         return EngineChild(engine_id, _spawn(command, preexec=preexec))
 
     async def check(self) -> bool:
@@ -276,6 +278,7 @@ class EngineSupervisor:
             log.error(
                 "engine exited; its standby takes over", exit_code=code, restart=self.restarts
             )
+            self.pacing.release()
             self.standby.process.send_signal(signal.SIGUSR1)
             self.current, self.standby = self.standby, None
         else:
@@ -295,6 +298,8 @@ class EngineSupervisor:
         if self.standby is not None:
             code = self.standby.process.poll()
             if code is None:
+                assert self.current is not None
+                self.pacing.pace(self.current.process, self.standby.process)
                 return
             self.standby = None
             if not self.standby_budget.spend():
@@ -310,6 +315,7 @@ class EngineSupervisor:
         """The engine hands its turns back to the queue now (SIGINT: a restart
         continues them at once), the standby just ends; both in parallel."""
         children = [(self.current, signal.SIGINT), (self.standby, signal.SIGTERM)]
+        self.pacing.release()
         for child, sig in children:
             if child is not None and child.alive():
                 child.process.send_signal(sig)
