@@ -26,7 +26,8 @@ import torch
 
 from .cpu_linear import pack_linear_weights
 from .grammar import Grammars, apply_bitmask
-from .kvbuffer import BufferCache, KVBuffer, KVStore, RetainedKV, common_prefix
+from .kvbuffer import BufferCache, KVBuffer, KVStore, RetainedKV
+from .kvspace import common_prefix
 from .lifecycle import CoreBase, EngineConfig, RequestOutput, Sequence
 from .logprobs import HostLogprobs, LogprobBuffers, host_copy, model_logprobs
 from .model import LoadedModel

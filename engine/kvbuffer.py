@@ -264,11 +264,3 @@ def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     pin = device.type == "cpu" and tensor.device.type == "cuda"
     out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pin)
     return out.copy_(tensor, non_blocking=True)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

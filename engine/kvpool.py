@@ -13,18 +13,24 @@ later prompt may share, is ``blocks.BlockAllocator``'s business.
 next request: it holds its blocks in the pool (no copy), or, with offloading,
 a host copy. ``KVHandles`` keeps them in the retained-KV LRU (``lru.py``)
 within a byte budget; the pool also evicts from it when running sequences
-need blocks.
+need blocks. The two are the paged core's KV space (``kvspace``), which the
+scheduler plans over.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .blocks import BlockAllocator
+from .kvspace import reusable
 from .lru import LRUBacked, RetainedLRU
 from .sampling import to_device
+
+if TYPE_CHECKING:
+    from .scheduler import PagedSequence
 
 SCRATCH_BLOCK = 0
 
@@ -131,10 +137,11 @@ class KVHandles(LRUBacked):
             budget_bytes, _entry_bytes, lambda entry: pool.release(entry.blocks)
         )
 
-    def put(self, key: str, token_ids: list[int], blocks: list[int]) -> bool:
-        """Retain ``blocks`` (holding ``token_ids``) under ``key``; False (blocks released)
-        if they cannot fit the budget."""
+    def put(self, key: str, seq: PagedSequence, length: int) -> bool:
+        """Retain ``seq``'s blocks (holding its first ``length`` tokens) under ``key``;
+        False (blocks released) if they cannot fit the budget."""
         self.lru.drop(key)
+        token_ids, blocks = seq.tokens[:length], seq.blocks
         needed = self.pool.blocks_for(len(token_ids))
         self.pool.release(blocks[needed:])
         blocks = blocks[:needed]
@@ -149,9 +156,33 @@ class KVHandles(LRUBacked):
             entry.blocks = []
         return self.lru.put(key, entry)
 
+    def resume(self, key: str, seq: PagedSequence) -> tuple[list[int], int] | None:
+        """Take ``key``'s entry for ``seq``: the blocks of it ``seq`` reuses (copied back
+        into the pool where it was offloaded), and their tokens."""
+        entry = self.take(key)
+        if entry is None:
+            return None
+        reuse = reusable(entry.token_ids, seq.tokens)
+        blocks = entry.blocks
+        if entry.host is not None:
+            blocks = self._allocate(entry.host.k.shape[1]) or []
+            if blocks:
+                self.pool.copy_in(entry.host, blocks)
+            else:
+                reuse = 0
+        keep = self.pool.blocks_for(reuse) if reuse > 0 else 0
+        self.pool.release(blocks[keep:])
+        return blocks[:keep], max(0, reuse)
+
     def take(self, key: str) -> RetainedKV | None:
         """Remove and return ``key``'s entry: the resumed sequence now owns its blocks."""
         return self.lru.take(key)
+
+    def _allocate(self, n: int) -> list[int] | None:
+        """``n`` blocks, evicting other retained caches (oldest first) as needed."""
+        while self.pool.free_blocks < n and self.evict_oldest():
+            pass
+        return self.pool.allocate(n)
 
     def evict_oldest(self) -> bool:
         """Free the least recently used entry's blocks; False if there is none."""

@@ -1,9 +1,11 @@
-"""Scheduler: what the paged engine core computes each step, and where its KV goes.
+"""Scheduler: what an engine core computes each step, and where its KV goes.
 
-``core.EngineCore`` runs the model; this decides what it runs (vLLM v1's
-scheduler / model-runner split, in small). It holds the waiting queue, the
+The core's runner runs the model; this decides what it runs (vLLM v1's
+scheduler / model-runner split, in small), for the paged ``core.EngineCore``
+and the ``eager.EagerEngineCore`` alike. It holds the waiting queue, the
 newcomers being prefilled, the decode rows (``batch.DecodeRows``) and the
-blocks of the KV pool each sequence holds. ``schedule`` plans a step:
+blocks each sequence holds in the core's KV space (``kvspace``: the paged
+pool, or the eager core's nominal blocks). ``schedule`` plans a step:
 
 1. admits waiting sequences while the batch has room, each starting from its
    session's retained KV where it matches;
@@ -24,8 +26,9 @@ complete joining the decode batch) and the draws that reached the host at that
 step (its own, or with async steps the step before's). A sequence's end is the
 lifecycle's: ``retain`` then ``remove``.
 
-No model and no runner here: the runner's own per-row state (the
-repetition-penalty masks) is the core's to keep in step. It learns which
+No model and no runner here: the runner's own per-row state (the paged
+runner's repetition-penalty masks, the eager runner's rows of KV) is the core's
+to keep in step. It learns which
 sequences were admitted from the plan and which joined from the result;
 a row leaving can happen deep inside scheduling (a preemption), so that it
 hears through ``on_leave``.
@@ -41,8 +44,7 @@ import structlog
 
 from .batch import DecodeRows, PrefillPiece
 from .blocks import ROOT
-from .kvbuffer import common_prefix
-from .kvpool import KVHandles, KVPool
+from .kvspace import BlockSpace, RetainedCaches
 from .lifecycle import EngineConfig, Sequence
 from .logprobs import TokenLogprob
 from .requests import SequenceStatus
@@ -129,8 +131,8 @@ class Scheduler:
         self,
         config: EngineConfig,
         max_context: int,
-        pool: KVPool,
-        store: KVHandles,
+        pool: BlockSpace,
+        store: RetainedCaches,
         on_leave: RowLeft = _nothing_to_tell,
     ) -> None:
         self.config = config
@@ -207,22 +209,10 @@ class Scheduler:
     def _resume_from_cache(self, seq: PagedSequence) -> None:
         """Start from the retained KV of the session's last turn, where it matches."""
         key = seq.request.cache_key
-        entry = self.store.take(key) if key else None
-        if entry is None:
-            return
-        # At least one token must go through the model: its logits pick the next token.
-        reuse = min(common_prefix(entry.token_ids, seq.tokens), len(seq.tokens) - 1)
-        blocks = entry.blocks
-        if entry.host is not None:
-            blocks = self._allocate(entry.host.k.shape[1]) or []
-            if blocks:
-                self.pool.copy_in(entry.host, blocks)
-            else:
-                reuse = 0
-        keep = self.pool.blocks_for(reuse) if reuse > 0 else 0
-        self.pool.release(blocks[keep:])
-        seq.blocks = blocks[:keep]
-        seq.computed = seq.cached_tokens = max(0, reuse)
+        resumed = self.store.resume(key, seq) if key else None
+        if resumed is not None:
+            seq.blocks, seq.computed = resumed
+            seq.cached_tokens = seq.computed
 
     # --- the prefix cache ------------------------------------------------------------
 
@@ -427,7 +417,7 @@ class Scheduler:
         self._register_full_blocks(seq)
         if key is None or length == 0:
             return None
-        stored = self.store.put(key, seq.tokens[:length], seq.blocks)
+        stored = self.store.put(key, seq, length)
         seq.blocks = []  # the store owns (or has released) them now
         return length if stored else None
 
