@@ -1,7 +1,8 @@
 """EngineCore: continuous batching over a paged KV pool, decode as CUDA graphs.
 
 Knows nothing of transport: ``add`` / ``abort`` requests, call ``step`` in a
-loop, publish its outputs. Each step (``lifecycle.CoreBase.step``)
+loop, publish its outputs. Each step (``lifecycle.CoreBase.step``, planned and
+run as ``scheduled.ScheduledCore`` does for the eager core too)
 
 1. ends pending aborts and pauses (their KV is retained in the pool);
 2. asks the ``scheduler.Scheduler`` for the step's plan (``ScheduledStep``): it
@@ -37,13 +38,14 @@ from .batch import DecodeRows
 from .eager import EagerEngineCore
 from .grammar import Grammars
 from .kvpool import KVHandles, KVPool
-from .lifecycle import CoreBase, EngineConfig, EngineRequest, RequestOutput, Sequence
+from .lifecycle import EngineConfig, EngineRequest, RequestOutput
 from .llama import FastLlama, UnsupportedModel, fast_model_for
 from .model import LoadedModel
 from .quant import cpu_quantized_model
 from .runner import Launch, ModelRunner
-from .sampling import Variant, to_device, variant_of
-from .scheduler import PagedSequence, Sampled, Scheduler, StepResult
+from .sampling import Variant, variant_of
+from .scheduled import ScheduledCore
+from .scheduler import PagedSequence, Scheduler
 from .stats import CoreStats, kept_caches
 
 __all__ = ["EngineConfig", "EngineCore", "EngineRequest", "RequestOutput", "build_core"]
@@ -53,7 +55,7 @@ log = structlog.get_logger("wsinfer.engine")
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-class EngineCore(CoreBase):
+class EngineCore(ScheduledCore):
     grammars: Grammars
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
@@ -79,14 +81,8 @@ class EngineCore(CoreBase):
             cfg.graph_batch_sizes, sorted(loaded.eos_token_ids),
         )  # fmt: skip
         self.async_steps = on_cuda if cfg.async_steps is None else cfg.async_steps
-        self._pending: Launch | None = None  # async steps: the last step's, not yet handed out
-        self._sampled: list[Sampled] = []  # this step's draws on the host, to hand out
         self._variant: Variant | None = None  # of the decode rows; None: recompute
         self.graph_capture_seconds = 0.0
-        # GPU time spent waiting for the host between steps (CUDA): what async steps and
-        # pipelined publishing are meant to keep near zero.
-        self.gpu_idle_seconds = 0.0
-        self.steps = 0
         if cfg.cuda_graphs if cfg.cuda_graphs is not None else on_cuda:
             self.graph_capture_seconds = self.runner.capture_graphs(
                 lambda line: log.info(line, pool_blocks=self.pool.num_blocks)
@@ -135,17 +131,6 @@ class EngineCore(CoreBase):
 
     # --- public API ---------------------------------------------------------------
 
-    def has_unfinished(self) -> bool:
-        return bool(self._seqs or self._immediate or self._pending)
-
-    @property
-    def num_running(self) -> int:
-        return self.scheduler.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
-
     def stats(self) -> CoreStats:
         scheduler, pool = self.scheduler, self.pool
         return CoreStats(
@@ -186,48 +171,6 @@ class EngineCore(CoreBase):
         """Of those, tokens a kept or shared KV cache spared (vllm:prefix_cache_hits)."""
         return self.scheduler.prefix_cache_hits
 
-    # --- the step (``CoreBase.step``) --------------------------------------------------
-
-    def _forward(self) -> list[RequestOutput]:
-        """Schedule and launch this step, and apply its result: what it launched, and
-        the draws that reached the host (those of the step before, with async steps,
-        while this one runs); ``_after_forward`` hands those out. A device fault that
-        surfaces at the draws' sync fails the step, as one in the forward does."""
-        launched = self._launch()
-        if self.async_steps:
-            arrived, self._pending = self._pending, launched
-        else:
-            arrived = launched
-        if launched is None and arrived is None:
-            return []
-        result = launched.result() if launched is not None else StepResult()
-        if arrived is not None:
-            result.sampled = self._collect(arrived)
-        self.scheduler.update(result)
-        self._joined(result.joined)
-        self._sampled = result.sampled
-        return []
-
-    def _after_forward(self) -> list[RequestOutput]:
-        """Hand out the draws that reached the host; a failed step left none."""
-        sampled, self._sampled = self._sampled, []
-        return [self._accept(s.seq, s.token, s.logprob) for s in sampled if not s.seq.status.ended]
-
-    # --- admission -----------------------------------------------------------------
-
-    def _sequence_type(self) -> type[Sequence]:
-        return PagedSequence
-
-    def _enqueue(self, seq: PagedSequence) -> None:
-        self.scheduler.add(seq)
-
-    def _track_repetition(self, admitted: list[PagedSequence]) -> None:
-        """Mark the context tokens of newly admitted sequences a repetition penalty reads."""
-        for seq in admitted:
-            if seq.request.params.repetition_penalty != 1.0:
-                seq.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-                seq.seen[to_device(seq.tokens, self.device)] = True
-
     # --- launching a step ------------------------------------------------------------
 
     def _launch(self) -> Launch | None:
@@ -240,13 +183,6 @@ class EngineCore(CoreBase):
         if plan.decode:
             self._variant = self._variant or variant_of([s.request.params for s in rows.seqs])
         return self.runner.execute(plan, rows, self._variant, self.grammars)
-
-    def _collect(self, launch: Launch) -> list[Sampled]:
-        """``launch``'s draws, once on the host (the step's one sync)."""
-        sampled = launch.collect()
-        self.gpu_idle_seconds += launch.idle_before()
-        self.steps += 1
-        return sampled
 
     def _joined(self, joined: list[PagedSequence]) -> None:
         """Newcomers took decode rows (their first draw at the runner's ``max_rows + j``):
@@ -267,24 +203,12 @@ class EngineCore(CoreBase):
 
     # --- leaving ------------------------------------------------------------------------
 
-    def _retain(self, seq: PagedSequence) -> int | None:
-        return self.scheduler.retain(seq)
-
-    def _remove(self, seq: PagedSequence) -> None:
-        self._seqs.pop(seq.id, None)
-        self.scheduler.remove(seq)
-
     def _row_left(self, row: int, moved_from: int | None) -> None:
         """The scheduler vacated decode ``row`` (filled from ``moved_from``, if any): the
         runner's per-row state follows, and the rows' sampling variant is redone."""
         if moved_from is not None:
             self.runner.move_seen(moved_from, row)
         self._variant = None
-
-    def _fail_all(self, message: str) -> list[RequestOutput]:
-        failed = self.scheduler.running_and_prefilling()
-        self._pending, self._sampled = None, []
-        return self._faulted(failed, message)
 
 
 def build_core(
