@@ -1,4 +1,4 @@
-"""KV-cache storage: right-aligned batch buffers and the retained-cache LRU.
+"""KV-cache storage for the eager path: right-aligned batch buffers.
 
 A ``KVBuffer`` holds, per layer, keys and values of shape
 ``[row_capacity, kv_heads, column_capacity, head_dim]``. Rows are right-aligned:
@@ -13,13 +13,10 @@ forward call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
-
-from .lru import LRUBacked, RetainedLRU
 
 # Columns added beyond what is needed when a buffer grows, at least.
 MIN_GROWTH = 64
@@ -196,71 +193,3 @@ class BufferCache(Cache):
     def __init__(self, buffer: KVBuffer) -> None:
         layers = [_BufferLayer(buffer, i) for i in range(buffer.num_layers)]
         super().__init__(layers=layers)  # type: ignore[arg-type]
-
-
-# --- retained caches ----------------------------------------------------------
-
-
-@dataclass
-class RetainedKV:
-    token_ids: list[int]  # the tokens whose KV is held, in order
-    layers: list[tuple[torch.Tensor, torch.Tensor]]  # [1, H, len(token_ids), D] each
-
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers
-        )
-
-
-class KVStore(LRUBacked):
-    """Retained per-session KV caches (copies of their tensors) within a byte budget."""
-
-    def __init__(self, budget_bytes: int, offload_device: torch.device | None = None) -> None:
-        self.offload_device = offload_device
-        self.lru: RetainedLRU[RetainedKV] = RetainedLRU(budget_bytes, _entry_bytes)
-
-    def put(self, key: str, entry: RetainedKV) -> bool:
-        """Retain ``entry`` (evicting the least recently used); False if it cannot fit."""
-        self.lru.drop(key)
-        if entry.nbytes > self.budget_bytes or not entry.token_ids:
-            return False
-        if self.offload_device is not None:
-            entry = RetainedKV(entry.token_ids, _moved(entry.layers, self.offload_device))
-        return self.lru.put(key, entry)
-
-    def take(self, key: str) -> RetainedKV | None:
-        """Remove and return ``key``'s entry: a running request owns its cache."""
-        return self.lru.take(key)
-
-    def length(self, key: str) -> int:
-        entry = self.lru.get(key)
-        return len(entry.token_ids) if entry is not None else 0
-
-    def drop(self, key: str) -> None:
-        self.lru.drop(key)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.lru
-
-    def __len__(self) -> int:
-        return len(self.lru)
-
-
-def _entry_bytes(entry: RetainedKV) -> int:
-    return entry.nbytes
-
-
-def _moved(
-    layers: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(_copy_to(k, device), _copy_to(v, device)) for k, v in layers]
-
-
-def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if tensor.device == device:
-        return tensor
-    # Pinned host memory makes the device->host copy asynchronous (no sync in the step).
-    pin = device.type == "cpu" and tensor.device.type == "cuda"
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pin)
-    return out.copy_(tensor, non_blocking=True)

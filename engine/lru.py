@@ -2,7 +2,7 @@
 
 Every core keeps the KV cache of a session's paused or finished turn for the
 session's next request: ``kvpool.KVHandles`` (blocks of the paged pool),
-``kvbuffer.KVStore`` (the eager core's tensors) and the fake core's nominal
+``eager_kv.EagerCaches`` (the eager core's tensors) and the fake core's nominal
 store (token ids). Each says what an entry is, how many bytes it counts for,
 and what letting it go frees; this class keeps the order and the budget, so
 the three evict alike: the least recently put first, once over budget.
