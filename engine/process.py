@@ -23,6 +23,7 @@ import structlog
 
 from wsinfer.contract import ErrorCode
 from wsinfer.engine.core import EngineConfig, EngineRequest, RequestOutput, build_core
+from wsinfer.engine.cpu_threads import ThreadShare
 from wsinfer.engine.defaults import default_dtype, resolve_device
 from wsinfer.engine.fake import FakeLoaded, fake_engine
 from wsinfer.engine.fake_spec import is_fake
@@ -109,8 +110,10 @@ class EngineProcess:
         store: WorkerStore,
         config: ProcessConfig,
         metrics: EngineMetrics | None = None,
+        threads: ThreadShare | None = None,
     ) -> None:
         self.core = core
+        self.threads = threads  # a CPU engine's: as many as the machine leaves it
         self.loaded = loaded
         self.store = store
         self.config = config
@@ -184,6 +187,8 @@ class EngineProcess:
 
     def _iteration(self) -> bool:
         now = time.monotonic()
+        if self.threads is not None:
+            self.threads.look()
         if now >= self._next_heartbeat:
             self._heartbeat(now)
         if self._drained():
@@ -589,4 +594,5 @@ def run_engine(
     if standby is not None and not standby.wait(lambda: os.getppid() != parent):
         return
     store = WorkerStore(sync_client(redis_url), config.engine_id, ttl_s=config.session_ttl_s)
-    EngineProcess(core, loaded, store, config, metrics).run()
+    threads = ThreadShare() if isinstance(loaded, LoadedModel) and device == "cpu" else None
+    EngineProcess(core, loaded, store, config, metrics, threads).run()

@@ -346,7 +346,8 @@ def _add_engine(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=_env("THREADS", "0"),
-        help="CPU threads for torch (default: torch's choice; set it on shared hosts)",
+        help="CPU threads for torch, at most (default: torch's choice); a CPU engine uses "
+        "fewer while other processes keep its cores busy",
     )
 
 
