@@ -21,7 +21,7 @@ import torch
 
 from .blocks import BlockAllocator
 from .kvbuffer import KVBuffer
-from .kvspace import reusable
+from .kvspace import HoldsKV, reusable
 from .lru import LRUBacked, RetainedLRU
 from .scheduler import PagedSequence
 
@@ -134,7 +134,7 @@ class EagerCaches(LRUBacked):
         self.space, self.kv, self.offload = blocks, kv, offload
         self.lru: RetainedLRU[RetainedKV] = RetainedLRU(budget_bytes, _entry_bytes)
 
-    def put(self, key: str, seq: PagedSequence, length: int) -> bool:
+    def put(self, key: str, seq: HoldsKV, length: int) -> bool:
         assert isinstance(seq, EagerSequence)
         self.space.release(seq.blocks)  # a copy is kept, not the blocks
         self.lru.drop(key)
@@ -146,7 +146,7 @@ class EagerCaches(LRUBacked):
             entry = RetainedKV(token_ids, _moved(entry.layers, self.offload))
         return self.lru.put(key, entry)
 
-    def resume(self, key: str, seq: PagedSequence) -> tuple[list[int], int] | None:
+    def resume(self, key: str, seq: HoldsKV) -> tuple[list[int], int] | None:
         """Take ``key``'s entry for ``seq``: the part it reuses goes into ``seq``'s
         prefill buffer, with blocks for its tokens."""
         assert isinstance(seq, EagerSequence)

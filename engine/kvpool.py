@@ -20,17 +20,13 @@ scheduler plans over.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from .blocks import BlockAllocator
-from .kvspace import reusable
+from .kvspace import HoldsKV, reusable
 from .lru import LRUBacked, RetainedLRU
 from .sampling import to_device
-
-if TYPE_CHECKING:
-    from .scheduler import PagedSequence
 
 SCRATCH_BLOCK = 0
 
@@ -137,7 +133,7 @@ class KVHandles(LRUBacked):
             budget_bytes, _entry_bytes, lambda entry: pool.release(entry.blocks)
         )
 
-    def put(self, key: str, seq: PagedSequence, length: int) -> bool:
+    def put(self, key: str, seq: HoldsKV, length: int) -> bool:
         """Retain ``seq``'s blocks (holding its first ``length`` tokens) under ``key``;
         False (blocks released) if they cannot fit the budget."""
         self.lru.drop(key)
@@ -156,7 +152,7 @@ class KVHandles(LRUBacked):
             entry.blocks = []
         return self.lru.put(key, entry)
 
-    def resume(self, key: str, seq: PagedSequence) -> tuple[list[int], int] | None:
+    def resume(self, key: str, seq: HoldsKV) -> tuple[list[int], int] | None:
         """Take ``key``'s entry for ``seq``: the blocks of it ``seq`` reuses (copied back
         into the pool where it was offloaded), and their tokens."""
         entry = self.take(key)

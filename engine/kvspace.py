@@ -14,12 +14,17 @@ No torch here: the scheduler imports no model code.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from .blocks import BlockAllocator
 
-if TYPE_CHECKING:
-    from .scheduler import PagedSequence
+
+class HoldsKV(Protocol):
+    """What a KV space reads of a sequence (``scheduler.PagedSequence``): its context,
+    and the blocks it holds of the space."""
+
+    tokens: list[int]
+    blocks: list[int]
 
 
 class BlockSpace(Protocol):
@@ -46,12 +51,12 @@ class RetainedCaches(Protocol):
     """Sessions' KV kept between their turns, by cache key, within a byte budget
     (least recently kept evicted first: ``lru.RetainedLRU``)."""
 
-    def resume(self, key: str, seq: PagedSequence) -> tuple[list[int], int] | None:
+    def resume(self, key: str, seq: HoldsKV) -> tuple[list[int], int] | None:
         """Take ``key``'s entry for ``seq`` to continue from: the blocks that hold the
         part of it ``seq`` reuses (``reusable``) and how many tokens that is (0: none,
         the entry is let go); None where ``key`` has no entry."""
 
-    def put(self, key: str, seq: PagedSequence, length: int) -> bool:
+    def put(self, key: str, seq: HoldsKV, length: int) -> bool:
         """Keep the KV of ``seq``'s first ``length`` tokens under ``key``; its blocks are
         the store's now (kept, or released). False where it cannot fit the budget."""
 

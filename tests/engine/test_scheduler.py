@@ -291,6 +291,22 @@ def test_a_turn_continued_inside_a_shared_block_recomputes_it_without_a_free_blo
     assert s.pool.blocks.refs(b.blocks[1]) == 1
 
 
+def test_a_cache_offloaded_to_the_host_comes_back_into_free_blocks_on_resume() -> None:
+    s = make(blocks=8, cache_blocks=4)
+    s.store.offload = torch.device("cpu")  # as a CUDA pool's with kv_offload_cpu
+    a = seq("a", [3] * 6, key="k")
+    s.add(a)
+    run_step(s)
+    s.pool.k[:, a.blocks[0]], s.pool.k[:, a.blocks[1]] = 5.0, 6.0
+    assert finish(s, a) == 6
+    assert used_blocks(s) == 0  # the host holds it
+    s.pool.k.zero_()
+    b = seq("b", [3] * 6 + [TOKEN, 9], key="k")
+    s.add(b)
+    assert spans(run_step(s)) == [("b", 6, 8)] and b.cached_tokens == 6
+    assert bool((s.pool.k[:, b.blocks[0]] == 5.0).all() and (s.pool.k[:, b.blocks[1]] == 6.0).all())
+
+
 # --- leaving -------------------------------------------------------------------------------
 
 
