@@ -41,8 +41,10 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie is dead for our purposes.
-    return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    try:  # a zombie is dead for our purposes
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # gone meanwhile (a SIGKILLed standby goes between the two reads)
+        return False
 
 
 def wait_gone(pids: list[int], timeout: float = 20) -> list[int]:
