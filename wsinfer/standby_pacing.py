@@ -9,7 +9,7 @@ engine's threads wait for each other at every step, so whichever core runs the
 standby for a moment stalls both.
 
 So the supervisor stops the standby (SIGSTOP) whenever the engine used more
-than a fifth of a core since the last look, and lets it go on (SIGCONT) once
+than a fifth of a core since the last look (every 50 ms), and lets it go on (SIGCONT) once
 the engine has been idle for a second: the standby loads in the pauses between
 answers, and an answer is never slowed by it. An engine busy without a pause
 keeps its standby waiting, which costs only what having no standby costs: a

@@ -349,10 +349,12 @@ class RedisSupervisor:
         return True
 
 
-async def supervise(checks: list[Callable[[], Awaitable[bool]]], interval_s: float = 0.2) -> bool:
+async def supervise(checks: list[Callable[[], Awaitable[bool]]], interval_s: float = 0.05) -> bool:
     """Run every check each interval; False when one says it cannot go on.
 
-    Often: a dead engine's turns wait for the next check (``poll`` is cheap)."""
+    Often: a dead engine's turns wait for the next check, and a loading standby
+    takes the cores until one sees the engine at work (``poll`` and a read of
+    ``/proc`` are cheap: a check costs tens of microseconds)."""
     while True:
         await asyncio.sleep(interval_s)
         for check in checks:
