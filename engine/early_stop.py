@@ -24,10 +24,19 @@ from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+# The line a stop prints: a standby that is stopped while it loads (a serve
+# stopped after a busy spell, which kept it waiting) says so, not that the
+# engine which served never did.
+_ENGINE_STOPPED = b"wsinfer: engine stopped before it served\n"
+_STANDBY_STOPPED = b"wsinfer: standby engine stopped before it was needed\n"
+_stopped_line = _ENGINE_STOPPED
 
-def exit_on_stop_until_serving() -> None:
+
+def exit_on_stop_until_serving(*, standby: bool = False) -> None:
     """SIGINT or SIGTERM ends the process at once, from now until the engine's
     own handlers take over (``EngineProcess.run``, ``StandbyGate.wait``)."""
+    global _stopped_line
+    _stopped_line = _STANDBY_STOPPED if standby else _ENGINE_STOPPED
     for sig in STOP_SIGNALS:
         signal.signal(sig, _exit_now)
 
@@ -36,7 +45,7 @@ def _exit_now(signum: int, _frame: FrameType | None) -> None:
     kill_descendants()
     # os.write, not the logger: the handler may run while the main thread holds
     # the logger's lock, and a plain line is what main() prints for a Ctrl-C too.
-    os.write(2, b"wsinfer: engine stopped before it served\n")
+    os.write(2, _stopped_line)
     # No atexit, no finalizers: every cache the start-up writes goes into place
     # by a rename, so none is left half-written (at most a stray .tmp- folder).
     os._exit(128 + signum)

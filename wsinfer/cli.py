@@ -627,7 +627,8 @@ def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
 def run_engine_command(args: argparse.Namespace) -> int:
     from wsinfer.engine.early_stop import exit_on_stop_until_serving
 
-    exit_on_stop_until_serving()  # first of all: a Ctrl-C may come while torch imports
+    # First of all: a Ctrl-C may come while torch imports.
+    exit_on_stop_until_serving(standby=args.standby)
     standby = None
     if args.standby:  # an activation, too
         from wsinfer.engine.standby import StandbyGate

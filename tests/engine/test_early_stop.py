@@ -18,7 +18,7 @@ BUSY_IMPORTING = """
 import importlib, sys
 from wsinfer.engine.early_stop import exit_on_stop_until_serving
 assert "torch" not in sys.modules  # installed before anything heavy is imported
-exit_on_stop_until_serving()
+exit_on_stop_until_serving(standby=sys.argv[1:] == ["standby"])
 if sys.argv[1:] == ["compile"]:  # a compiler driver with a child of its own, as c++ runs cc1plus
     import subprocess
     subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60"])
@@ -44,6 +44,23 @@ def test_a_stop_signal_ends_the_start_up_at_once(sig: signal.Signals, code: int)
     _, stderr = process.communicate(timeout=10)
     assert process.returncode == code
     assert stderr == "wsinfer: engine stopped before it served\n"
+
+
+def test_a_standby_stopped_while_it_loads_says_so() -> None:
+    """Not that the engine never served: serve's engine did; its standby, kept
+    waiting by a busy engine, was just not needed."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", BUSY_IMPORTING, "standby"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline() == "ready\n"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=10)
+    assert process.returncode == 143
+    assert stderr == "wsinfer: standby engine stopped before it was needed\n"
 
 
 def test_what_the_start_up_runs_ends_with_it() -> None:
