@@ -167,15 +167,6 @@ class EagerCaches(LRUBacked):
         entry = self.lru.get(key)
         return len(entry.token_ids) if entry is not None else 0
 
-    def drop(self, key: str) -> None:
-        self.lru.drop(key)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.lru
-
-    def __len__(self) -> int:
-        return len(self.lru)
-
 
 def _entry_bytes(entry: RetainedKV) -> int:
     return entry.nbytes

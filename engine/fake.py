@@ -158,12 +158,6 @@ class _FakeStore(LRUBacked):
     def length(self, key: str) -> int:
         return len(self.lru.get(key) or ())
 
-    def drop(self, key: str) -> None:
-        self.lru.drop(key)
-
-    def __len__(self) -> int:
-        return len(self.lru)
-
 
 def _nominal_bytes(token_ids: list[int]) -> int:
     return len(token_ids) * FAKE_KV_BYTES_PER_TOKEN

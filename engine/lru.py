@@ -95,9 +95,19 @@ class RetainedLRU(Generic[V]):
 
 class LRUBacked:
     """A store whose entries live in ``self.lru``: its budget and use, as the
-    engine's metrics read them, are the LRU's."""
+    engine's metrics read them, are the LRU's, and so are dropping an entry
+    (released as the store's LRU releases it) and asking what it holds."""
 
     lru: RetainedLRU[Any]
+
+    def drop(self, key: str) -> None:
+        self.lru.drop(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.lru
+
+    def __len__(self) -> int:
+        return len(self.lru)
 
     @property
     def budget_bytes(self) -> int:
