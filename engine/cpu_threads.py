@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from wsinfer.cpu_time import busy_core_seconds, process_cpu_seconds
+
 log = structlog.get_logger("wsinfer.engine")
 
 LOOK_EVERY_S = 0.5
@@ -34,8 +36,6 @@ LOOK_EVERY_S = 0.5
 # it is taken back: between them, the count stays.
 GIVE_UP_AT = 0.6
 TAKE_BACK_AT = 0.4
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 @dataclass(frozen=True)
@@ -48,22 +48,8 @@ class CpuTimes:
 
 def read_cpu_times(cores: frozenset[int]) -> CpuTimes | None:
     """From ``/proc``: None where it cannot be read."""
-    try:
-        with open("/proc/stat", "rb") as stat:
-            lines = stat.read().splitlines()
-        with open("/proc/self/stat", "rb") as own_stat:
-            own_fields = own_stat.read().rsplit(b")", 1)[-1].split()
-        busy = 0
-        for line in lines:
-            name, *values = line.split()
-            if not name.startswith(b"cpu") or name == b"cpu" or int(name[3:]) not in cores:
-                continue
-            ticks = [int(v) for v in values[:8]]  # user nice system idle iowait irq softirq steal
-            busy += sum(ticks) - ticks[3] - ticks[4]  # stolen by a hypervisor is not ours either
-        own = int(own_fields[11]) + int(own_fields[12])
-    except (OSError, ValueError, IndexError):
-        return None
-    return CpuTimes(busy / _TICKS_PER_S, own / _TICKS_PER_S)
+    busy, own = busy_core_seconds(cores), process_cpu_seconds()
+    return None if busy is None or own is None else CpuTimes(busy, own)
 
 
 def allowed_cores() -> frozenset[int]:

@@ -24,7 +24,6 @@ never held and loads as it always did.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import time
@@ -32,30 +31,14 @@ from collections.abc import Callable
 
 import structlog
 
+from wsinfer.cpu_time import process_cpu_seconds
+
 log = structlog.get_logger("wsinfer.serve")
 
 # More than this share of one core since the last look: the engine is at work.
 BUSY_CORES = 0.2
 # The engine idle this long: the standby may go on loading.
 IDLE_BEFORE_LOADING_S = 1.0
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def process_cpu_seconds(pid: int) -> float | None:
-    """CPU seconds the process has used (all its threads), None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            text = stat.read()
-    except OSError:
-        return None
-    # After the command name (which may hold spaces and parentheses): state is
-    # the 1st field, utime and stime the 12th and 13th.
-    fields = text.rsplit(b")", 1)[-1].split()
-    try:
-        return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
-    except (IndexError, ValueError):
-        return None
 
 
 class StandbyPacing:

@@ -19,12 +19,8 @@ from pathlib import Path
 import pytest
 
 from wsinfer.clock import ManualClock
-from wsinfer.standby_pacing import (
-    BUSY_CORES,
-    IDLE_BEFORE_LOADING_S,
-    StandbyPacing,
-    process_cpu_seconds,
-)
+from wsinfer.cpu_time import process_cpu_seconds
+from wsinfer.standby_pacing import BUSY_CORES, IDLE_BEFORE_LOADING_S, StandbyPacing
 from wsinfer.supervisor import EngineChild, EngineSupervisor
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
