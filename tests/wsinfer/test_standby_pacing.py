@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -176,9 +176,12 @@ def test_a_new_engine_is_looked_at_afresh(pair: Pair) -> None:
     assert pacing.held is None
 
 
-async def test_the_supervisor_holds_its_standby_and_activates_it_held() -> None:
-    """Real CPU time: a spinning engine holds the standby; the engine's death
-    reaches the standby's activation although it was held."""
+Held = tuple[EngineSupervisor, subprocess.Popen[bytes], subprocess.Popen[bytes]]
+
+
+@pytest.fixture
+async def held() -> AsyncIterator[Held]:
+    """A supervisor whose spinning engine (real CPU time) has held its standby."""
     engine, standby = child(SPINNER), ready(child(ACTIVATABLE))
     supervisor = EngineSupervisor([], standby=True, seen=_never_seen)
     supervisor.current = EngineChild("serve-engine", engine)
@@ -188,31 +191,27 @@ async def test_the_supervisor_holds_its_standby_and_activates_it_held() -> None:
             assert await supervisor.check()
             time.sleep(0.2)
         assert state(standby.pid) == "T"
-        engine.kill()
-        engine.wait()
-        assert await supervisor.check()  # the standby takes over: let go, then activated
-        assert standby.wait(5) == ACTIVATED
-        assert supervisor.current is not None and supervisor.current.process is standby
+        yield supervisor, engine, standby
     finally:
         ended(engine, standby)
 
 
-async def test_stopping_the_supervisor_ends_a_held_standby_at_once() -> None:
-    engine, standby = child(SPINNER), ready(child(ACTIVATABLE))
-    supervisor = EngineSupervisor([], standby=True, seen=_never_seen)
-    supervisor.current = EngineChild("serve-engine", engine)
-    supervisor.standby = EngineChild("serve-standby", standby)
-    try:
-        for _ in range(5):
-            await supervisor.check()
-            time.sleep(0.2)
-        assert state(standby.pid) == "T"
-        started = time.monotonic()
-        supervisor.stop()
-        assert standby.returncode == -signal.SIGTERM  # not killed after the grace time
-        assert time.monotonic() - started < 5
-    finally:
-        ended(engine, standby)
+async def test_the_supervisor_holds_its_standby_and_activates_it_held(held: Held) -> None:
+    """The engine's death reaches the standby's activation although it was held."""
+    supervisor, engine, standby = held
+    engine.kill()
+    engine.wait()
+    assert await supervisor.check()  # the standby takes over: let go, then activated
+    assert standby.wait(5) == ACTIVATED
+    assert supervisor.current is not None and supervisor.current.process is standby
+
+
+async def test_stopping_the_supervisor_ends_a_held_standby_at_once(held: Held) -> None:
+    supervisor, _, standby = held
+    started = time.monotonic()
+    supervisor.stop()
+    assert standby.returncode == -signal.SIGTERM  # not killed after the grace time
+    assert time.monotonic() - started < 5
 
 
 async def _never_seen(engine_id: str) -> bool:
