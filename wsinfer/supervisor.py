@@ -292,7 +292,8 @@ class EngineSupervisor:
 
     async def _keep_standby(self) -> None:
         """A standby beside an engine that serves; not before it serves, so that
-        two loads never share the cores while the first start is waited for."""
+        two loads never share the cores while the first start is waited for;
+        held while that engine works (``StandbyPacing``)."""
         if not self.want_standby or self.seen is None:
             return
         if self.standby is not None:
