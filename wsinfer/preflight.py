@@ -9,12 +9,13 @@ is ``wsinfer/startup.py``'s, so the engine never loads the frontend's code.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
+
+from wsinfer.waiting import within
 
 REDIS_CHECK_TIMEOUT_S = 5.0
 
@@ -57,8 +58,8 @@ def require_redis(url: str) -> None:
 
 async def require_redis_async(client: aioredis.Redis, url: str) -> None:
     try:
-        await asyncio.wait_for(client.ping(), REDIS_CHECK_TIMEOUT_S)
-    except (aioredis.RedisError, OSError, asyncio.TimeoutError) as exc:
+        await within(client.ping(), REDIS_CHECK_TIMEOUT_S)
+    except (aioredis.RedisError, OSError, TimeoutError) as exc:
         raise _redis_error(url, exc) from None
 
 

@@ -1,10 +1,13 @@
-"""wait_set: a bounded wait on an event that never loses a cancel."""
+"""wait_set and within: bounded waits that never lose a cancel (or an item)."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
-from wsinfer.waiting import wait_set
+import pytest
+
+from wsinfer.waiting import wait_set, within
 
 
 async def test_it_says_whether_the_event_was_set_in_time() -> None:
@@ -50,3 +53,66 @@ async def test_a_cancel_while_waiting_leaves_no_waiter_behind() -> None:
     await asyncio.gather(task, return_exceptions=True)
     await asyncio.sleep(0)
     assert task.cancelled() and len(asyncio.all_tasks()) == before - 2
+
+
+async def test_within_gives_the_result_or_a_timeout_that_cancels_the_awaitable() -> None:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    asyncio.get_running_loop().call_later(0.01, queue.put_nowait, 7)
+    assert await within(queue.get(), 5) == 7
+    before = len(asyncio.all_tasks())
+    with pytest.raises(TimeoutError):
+        await within(queue.get(), 0.01)
+    await asyncio.sleep(0)
+    assert len(asyncio.all_tasks()) == before  # the get was cancelled, not left waiting
+    queue.put_nowait(8)
+    assert await within(queue.get(), 0) == 8  # an item already there: no time needed
+
+
+async def test_within_never_loses_a_cancel_that_lands_as_an_item_arrives() -> None:
+    """The window asyncio.wait_for (3.10, 3.11) drops a cancel in, for a queue: CI
+    saw a stream of n choices go on after its client hung up."""
+    lost = 0
+    for _ in range(500):
+        queue: asyncio.Queue[int] = asyncio.Queue()
+
+        async def follow(queue: asyncio.Queue[int]) -> None:
+            while True:  # like the n-choices response loop
+                await within(queue.get(), 5)
+
+        task = asyncio.ensure_future(follow(queue))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        queue.put_nowait(1)
+        await asyncio.sleep(0)  # the inner get finishes in this step
+        task.cancel()
+        await asyncio.sleep(0.001)
+        if not task.done():
+            lost += 1
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert lost == 0
+
+
+async def test_within_keeps_an_item_that_comes_as_the_time_runs_out() -> None:
+    kept = 0
+    for _ in range(200):
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        asyncio.get_running_loop().call_later(0.002, queue.put_nowait, 1)
+        try:
+            await within(queue.get(), 0.002)
+            kept += 1
+        except TimeoutError:
+            await asyncio.sleep(0.005)
+            kept += queue.qsize()  # not taken: still there for the next get
+    assert kept == 200
+
+
+def test_no_source_file_waits_with_asyncio_wait_for() -> None:
+    root = Path(__file__).resolve().parents[2]
+    users = [
+        str(path.relative_to(root))
+        for package in ("wsinfer", "engine", "sessions", "clients")
+        for path in sorted((root / package).rglob("*.py"))
+        if "asyncio.wait_for(" in path.read_text(encoding="utf-8")
+    ]
+    assert users == [], "use wsinfer.waiting.within: wait_for loses cancels on 3.10/3.11"

@@ -37,6 +37,7 @@ from wsinfer.http.openai import (
 )
 from wsinfer.http.peer import KEEPALIVE_S, HttpPeer, merged_messages
 from wsinfer.messages import Generate
+from wsinfer.waiting import within
 
 if TYPE_CHECKING:
     from wsinfer.http.host import RouteHost
@@ -126,7 +127,7 @@ class ManyChoices:
                     yield sse(opening)
             while len(usages) < len(peers):
                 try:
-                    index, messages = await asyncio.wait_for(arrivals.get(), KEEPALIVE_S)
+                    index, messages = await within(arrivals.get(), KEEPALIVE_S)
                 except TimeoutError:
                     yield SSE_KEEPALIVE
                     continue

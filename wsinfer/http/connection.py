@@ -302,6 +302,8 @@ class HttpConnection(asyncio.Protocol):
                 self._write(h11.Data(data=response.body))
             else:
                 async for chunk in response.stream:
+                    if self._lost or self._eof.is_set():  # gone, its cancel lost on the way
+                        return False
                     self._write(h11.Data(data=chunk))
                     await self._writable.wait()
             self._write(h11.EndOfMessage())
