@@ -377,20 +377,55 @@ def test_bench_llamacpp_drives_wsinfer_serve_with_the_openai_client(
     finally:
         signal.signal(signal.SIGTERM, sigterm)
     rows = data_rows(capsys.readouterr().out.splitlines())
-    assert [row[0] for row in rows] == ["1", "2"]
+    assert [row[1] for row in rows] == ["1", "2"]
     for row in rows:
-        assert row[1] == "n/a" and float(row[3]) > 0 and row[4].endswith("ms")
-        assert row[5] == "n/a" and 0 < int(row[6].split(" / ")[1]) <= 6 * int(row[0])
+        assert int(row[0]) > 0 and row[2] == "n/a" and float(row[4]) > 0
+        assert row[5].endswith("ms") and row[6] == row[7] == "n/a"
+        assert 0 < int(row[8].split(" / ")[1]) <= 6 * int(row[1])
+
+
+def test_bench_llamacpp_measures_each_prompt_length_with_fresh_prompts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Prompt lengths as asked (counted by the server), and streams over the budget
+    left out."""
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        load_script("bench_llamacpp").main(
+            ["--no-llamacpp", "--model", str(tiny_model_dir()), "--streams", "1,4",
+             "--tokens", "4", "--rounds", "1", "--threads", "1",
+             "--prompt-tokens", "100,300", "--max-prompt-tokens", "600"]
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    rows = data_rows(capsys.readouterr().out.splitlines())
+    assert [row[1] for row in rows] == ["1", "4", "1"]  # 4 x 300 is over 600
+    for row, asked in zip(rows, (100, 100, 300), strict=True):
+        assert asked - 10 <= int(row[0]) <= asked + 10, row  # the chat template's few
+        assert float(row[4]) > 0 and row[5].endswith("ms")
+
+
+def test_bench_llamacpp_prompts_never_share_a_first_line() -> None:
+    from transformers import AutoTokenizer
+
+    bench = load_script("bench_llamacpp")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    prompts = bench.Prompts(500, tokenizer)
+    first, second = prompts.round(3), prompts.round(3)
+    lines = [p.split("\n", 1)[0] for p in first + second]
+    assert len(set(lines)) == 6 and len({p.split("\n", 1)[1] for p in first + second}) == 1
+    assert 440 <= len(tokenizer.encode(first[0], add_special_tokens=False)) <= 500
+    assert bench.Prompts().round(2) == bench.PROMPTS[:2]
 
 
 def test_bench_llamacpp_table_compares_the_best_rounds() -> None:
     bench = load_script("bench_llamacpp")
     results = {
-        ("llama-server", 8): bench.Result([80.0, 90.0], [0.05, 0.07], [1024]),
-        ("wsinfer", 8): bench.Result([120.0, 135.0], [0.2, 0.3], [1000]),
+        ("llama-server", 8, 1000): bench.Result([80.0, 90.0], [0.05, 0.07], [1024], 1012),
+        ("wsinfer", 8, 1000): bench.Result([120.0, 135.0], [0.02, 0.04], [1000], 1010),
     }
-    (row,) = data_rows(bench.table(results, [8]))
-    assert row == ["8", "90.0", "60 ms", "135.0", "250 ms", "1.50x", "1024 / 1000"]
+    (row,) = data_rows(bench.table(results, [(8, 1000)]))
+    assert row == ["1010", "8", "90.0", "60 ms", "135.0", "30 ms", "1.50x", "0.50x", "1024 / 1000"]
 
 
 @pytest.mark.slow
