@@ -38,7 +38,7 @@ from .batch import DecodeRows
 from .eager import EagerEngineCore
 from .grammar import Grammars
 from .kvpool import KVHandles, KVPool
-from .lifecycle import EngineConfig, EngineRequest, RequestOutput
+from .lifecycle import EngineConfig, EngineRequest, RequestOutput, UnsupportedConfig
 from .llama import FastLlama, UnsupportedModel, fast_model_for
 from .model import LoadedModel
 from .quant import cpu_quantized_model
@@ -109,9 +109,29 @@ class EngineCore(ScheduledCore):
                 cpu=torch.backends.cpu.get_cpu_capability(),
             )
 
+    def _kv_dtype(self) -> torch.dtype:
+        """The pool's elements: the model's, or float16 where the native CPU attention
+        reads it (elsewhere the torch attention would compute in it: refused)."""
+        wanted, model = self.config.kv_dtype, self.model
+        if wanted == "auto" or getattr(torch, wanted) == model.dtype:
+            return model.dtype
+        native_attends = (
+            self.device.type == "cpu"
+            and model.dtype == torch.float32
+            and model.attn_softcap is None
+            and native.kernels() is not None
+        )
+        if wanted == "float16" and native_attends:
+            return torch.float16
+        raise UnsupportedConfig(
+            f"--kv-dtype {wanted}: only the CPU engine's native attention, on a float32 "
+            f"model, reads a KV cache of another dtype than the model's ({model.dtype})"
+        )
+
     def _allocate_pool(self) -> KVPool:
         cfg, model = self.config, self.model
-        per_token = model.kv_bytes_per_token()
+        dtype = self._kv_dtype()
+        per_token = model.kv_bytes_per_token() * dtype.itemsize // model.dtype.itemsize
         budget = cfg.kv_pool_bytes
         if budget is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -126,7 +146,7 @@ class EngineCore(ScheduledCore):
         idle = cfg.kv_cache_bytes // (per_token * cfg.block_size)
         return KVPool(
             model.num_layers, blocks, cfg.block_size, model.num_kv_heads, model.head_dim,
-            model.dtype, model.device, idle,
+            dtype, model.device, idle,
         )  # fmt: skip
 
     # --- public API ---------------------------------------------------------------

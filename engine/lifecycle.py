@@ -34,6 +34,10 @@ from .sampling import fresh_seed
 from .stats import CoreStats, kept_caches
 
 
+class UnsupportedConfig(ValueError):
+    """An ``EngineConfig`` this model or device cannot run: one line at start-up."""
+
+
 @dataclass
 class EngineConfig:
     max_batch_size: int = 16
@@ -51,6 +55,10 @@ class EngineConfig:
     quantized_cpu_weights: bool = True
     # --- the paged fast path (Llama family) ---
     block_size: int = 16  # tokens per KV block
+    # The KV pool's elements: "auto" (the model's dtype), "float32" or "float16". The
+    # CPU's native attention widens float16 exactly as it loads it (engine/native_cpu.cpp):
+    # half the bytes a long context's decode step reads.
+    kv_dtype: str = "auto"
     # Share the KV blocks of any earlier prompt's beginning with a later one that starts
     # alike, whatever its session (engine/blocks.py).
     prefix_caching: bool = True

@@ -71,6 +71,17 @@ def on_native_path(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and kernels() is not None
 
 
+# The KV pools the native attention reads (a float16 one widened as it is loaded).
+NATIVE_KV_DTYPES = (torch.float32, torch.float16)
+
+
+def native_attends(pool_k: torch.Tensor) -> bool:
+    """Whether the native attention reads a pool like ``pool_k``: on the CPU, built."""
+    return (
+        pool_k.device.type == "cpu" and pool_k.dtype in NATIVE_KV_DTYPES and kernels() is not None
+    )
+
+
 class NativeKernels:
     """``Kernels`` and ``LayerKernels`` (``engine/fused.py``) of the C++."""
 

@@ -11,17 +11,28 @@
 // (which the compiler turns into vector registers without reordering them),
 // then native.h's fold.
 //
-// Float32 tensors only; inputs of any layout, caches and weights contiguous.
+// Float32 tensors only, but for the KV caches, which may also be float16 (half the
+// bytes a decode step reads at a long context): their keys and values are
+// widened to float32 as they are loaded, exactly (every half is a float), so the
+// arithmetic and its order are a float32 cache's, on every variant, and a value
+// is rounded to half once, as it is stored (to nearest, ties to even).
+// Inputs of any layout, caches and weights contiguous.
 
 #include "native.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -34,6 +45,44 @@ Lanes load_lanes(const float* x, int64_t count) {
   Lanes v = {};
   std::memcpy(&v, x, count * sizeof(float));
   return v;
+}
+
+// A float16 cache element: IEEE binary16's bits, as at::Half stores them.
+using Half = uint16_t;
+
+inline float as_float(float x) { return x; }
+inline float as_float(Half h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+inline void store(float* out, float x) { *out = x; }
+inline void store(Half* out, float x) { *out = c10::detail::fp16_ieee_from_fp32_value(x); }
+
+// count (<= LANES) cache elements as float32 lanes, the rest zero.
+inline Lanes load_row(const float* x, int64_t count) { return load_lanes(x, count); }
+inline Lanes load_row(const Half* x, int64_t count) {
+  Lanes v;
+#if defined(__AVX512F__)
+  if (count == LANES) {
+    const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    std::memcpy(&v, &wide, sizeof(v));
+    return v;
+  }
+#elif defined(__F16C__)
+  if (count == LANES) {
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8)));
+    std::memcpy(&v, &lo, sizeof(lo));
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+    return v;
+  }
+#endif
+  float wide[LANES] = {0};
+  for (int64_t i = 0; i < count; ++i) wide[i] = as_float(x[i]);
+  return load_lanes(wide, LANES);
+}
+
+void check_cache(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() &&
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf),
+              name, " must be a contiguous float32 or float16 CPU tensor");
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -152,11 +201,13 @@ at::Tensor rope_cache(const at::Tensor& qkv_in, const at::Tensor& positions, con
   const at::Tensor qkv = float_input(qkv_in, "qkv");
   check_float(cos, "cos");
   check_float(sin, "sin");
-  check_float(k_cache, "k_cache");
-  check_float(v_cache, "v_cache");
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
   check_index(positions, "positions");
   check_index(slots, "slots");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches do not match");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "caches do not match");
   const int64_t rows = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
   const int64_t slot_count = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (q_heads + 2 * kv_heads) * dim,
@@ -172,8 +223,6 @@ at::Tensor rope_cache(const at::Tensor& qkv_in, const at::Tensor& positions, con
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
   const int64_t width = qkv.size(1), half = dim / 2, table_rows = cos.size(0);
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(pos[r] >= 0 && pos[r] < table_rows, "position ", pos[r], " outside the rotary table");
@@ -183,19 +232,34 @@ at::Tensor rope_cache(const at::Tensor& qkv_in, const at::Tensor& positions, con
     for (int64_t d = 0; d < half; ++d) out[d] = x[d] * c[d] + (-x[d + half]) * s[d];
     for (int64_t d = half; d < dim; ++d) out[d] = x[d] * c[d] + x[d - half] * s[d];
   };
-  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = in + r * width;
-      const float* c = cp + pos[r] * dim;
-      const float* s = sp + pos[r] * dim;
-      for (int64_t h = 0; h < q_heads; ++h) turn(row + h * dim, c, s, qp + (r * q_heads + h) * dim);
-      if (slot[r] < 0) continue;
-      float* k_out = kp + slot[r] * kv_heads * dim;
-      float* v_out = vp + slot[r] * kv_heads * dim;
-      for (int64_t h = 0; h < kv_heads; ++h) turn(row + (q_heads + h) * dim, c, s, k_out + h * dim);
-      std::memcpy(v_out, row + (q_heads + kv_heads) * dim, kv_heads * dim * sizeof(float));
-    }
-  });
+  auto write = [&](auto* kp, auto* vp) {
+    at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+      std::vector<float> k_turned(static_cast<size_t>(kv_heads * dim));
+      for (int64_t r = begin; r < end; ++r) {
+        const float* row = in + r * width;
+        const float* c = cp + pos[r] * dim;
+        const float* s = sp + pos[r] * dim;
+        for (int64_t h = 0; h < q_heads; ++h) turn(row + h * dim, c, s, qp + (r * q_heads + h) * dim);
+        if (slot[r] < 0) continue;
+        auto* k_out = kp + slot[r] * kv_heads * dim;
+        auto* v_out = vp + slot[r] * kv_heads * dim;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          turn(row + (q_heads + h) * dim, c, s, k_turned.data() + h * dim);
+        }
+        const float* v_in = row + (q_heads + kv_heads) * dim;
+        for (int64_t i = 0; i < kv_heads * dim; ++i) {
+          store(k_out + i, k_turned[i]);
+          store(v_out + i, v_in[i]);
+        }
+      }
+    });
+  };
+  if (k_cache.scalar_type() == at::kHalf) {
+    write(reinterpret_cast<Half*>(k_cache.data_ptr<at::Half>()),
+          reinterpret_cast<Half*>(v_cache.data_ptr<at::Half>()));
+  } else {
+    write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  }
   return q;
 }
 
@@ -238,13 +302,14 @@ typedef int32_t LaneIndex __attribute__((vector_size(KEY_BLOCK * sizeof(int32_t)
 
 // The score of a query head against one key row, in place: lane j sums dims j,
 // j + 16, ... (a short last chunk adds to its first lanes only).
-inline float score_in_place(const float* q, const float* k, int64_t dim, float scale) {
+template <typename T>
+inline float score_in_place(const float* q, const T* k, int64_t dim, float scale) {
   Lanes acc = {};
   int64_t i = 0;
-  for (; i + LANES <= dim; i += LANES) acc += load_lanes(q + i, LANES) * load_lanes(k + i, LANES);
+  for (; i + LANES <= dim; i += LANES) acc += load_lanes(q + i, LANES) * load_row(k + i, LANES);
   if (i < dim) {
     const int64_t rest = dim - i;
-    const Lanes summed = acc + load_lanes(q + i, rest) * load_lanes(k + i, rest);
+    const Lanes summed = acc + load_lanes(q + i, rest) * load_row(k + i, rest);
     const LaneIndex lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     acc = lane < static_cast<int32_t>(rest) ? summed : acc;
   }
@@ -302,34 +367,37 @@ inline void score_block(const float* q, const int64_t* heads, const Offset& offs
 // out[d] = sum over keys k < seen, in order, of p[k] * values[k][d]: 64 dims at a
 // time in four registers (four independent chains), then 16, then one. Every
 // element is the same chain of multiply-adds in every branch.
-inline void weighted_values(const float* p, int64_t seen, const float* const* values,
-                            int64_t dim, float* out) {
+template <typename T>
+inline void weighted_values(const float* p, int64_t seen, const T* const* values, int64_t dim,
+                            float* out) {
   int64_t d0 = 0;
   for (; d0 + 4 * KEY_BLOCK <= dim; d0 += 4 * KEY_BLOCK) {
     Lanes a[4] = {};
     for (int64_t key = 0; key < seen; ++key) {
-      const float* v = values[key] + d0;
-      for (int u = 0; u < 4; ++u) {
-        Lanes row;
-        std::memcpy(&row, v + u * KEY_BLOCK, sizeof(row));
-        a[u] += p[key] * row;
-      }
+      const T* v = values[key] + d0;
+      for (int u = 0; u < 4; ++u) a[u] += p[key] * load_row(v + u * KEY_BLOCK, LANES);
     }
     std::memcpy(out + d0, a, sizeof(a));
   }
   for (; d0 + KEY_BLOCK <= dim; d0 += KEY_BLOCK) {
     Lanes a = {};
-    for (int64_t key = 0; key < seen; ++key) {
-      Lanes row;
-      std::memcpy(&row, values[key] + d0, sizeof(row));
-      a += p[key] * row;
-    }
+    for (int64_t key = 0; key < seen; ++key) a += p[key] * load_row(values[key] + d0, LANES);
     std::memcpy(out + d0, &a, sizeof(a));
   }
   for (; d0 < dim; ++d0) {
     float a = 0.0f;
-    for (int64_t key = 0; key < seen; ++key) a += p[key] * values[key][d0];
+    for (int64_t key = 0; key < seen; ++key) a += p[key] * as_float(values[key][d0]);
     out[d0] = a;
+  }
+}
+
+// A key row, widened, transposed into column j of keys_t [D][KEY_BLOCK].
+template <typename T>
+inline void transpose_key(const T* k, int64_t dim, int64_t j, float* keys_t) {
+  for (int64_t d0 = 0; d0 < dim; d0 += LANES) {
+    const int64_t count = std::min<int64_t>(LANES, dim - d0);
+    const Lanes row = load_row(k + d0, count);
+    for (int64_t e = 0; e < count; ++e) keys_t[(d0 + e) * KEY_BLOCK + j] = row[e];
   }
 }
 }  // namespace
@@ -338,8 +406,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& rows, const at::Tensor& query_pos, double scale) {
   const at::Tensor q = float_input(q_in, "q");
-  check_float(k_cache, "k_cache");
-  check_float(v_cache, "v_cache");
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "caches do not match");
   check_index(block_tables, "block_tables");
   check_index(rows, "rows");
   check_index(query_pos, "query_pos");
@@ -374,100 +443,107 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   tile_start.push_back(tokens);
   at::Tensor out = q.new_zeros(q.sizes());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float scalef = static_cast<float>(scale);
   const int64_t slot_stride = kv_heads * dim;
   const int64_t padded = (longest + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
-  at::parallel_for(0, tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    const int64_t most = QUERY_TILE * group;  // query heads of a tile
-    std::vector<float> scores(static_cast<size_t>(most * padded));
-    std::vector<float> acc(static_cast<size_t>(most * dim));
-    std::vector<float> keys_t(static_cast<size_t>(dim * KEY_BLOCK));  // [D][KEY_BLOCK]
-    std::vector<int64_t> seen_of(static_cast<size_t>(most));
-    std::vector<int64_t> active(static_cast<size_t>(most));
-    std::vector<const float*> values(static_cast<size_t>(padded));  // a key's value row
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t tile = task / kv_heads, g = task % kv_heads;
-      const int64_t first = tile_start[tile], count = tile_start[tile + 1] - first;
-      const int64_t* blocks_of_row = table + row_of[first] * table_width;
-      auto slot_of = [&](int64_t key) {
-        return blocks_of_row[key / block_size] * block_size + key % block_size;
-      };
-      int64_t reach = 0;  // keys the tile's furthest query sees
-      for (int64_t i = 0; i < count; ++i) {
-        for (int64_t h = 0; h < group; ++h) seen_of[i * group + h] = std::max<int64_t>(pos[first + i] + 1, 0);
-        reach = std::max(reach, pos[first + i] + 1);
-      }
-      const int64_t heads = count * group;
-      // Where query head qh of the tile (and its output) starts in q (and out).
-      auto head_offset = [&](int64_t qh) {
-        return ((first + qh / group) * q_heads + g * group + qh % group) * dim;
-      };
-      if (count == 1) {
-        // A lone query: each key row read in place for each of its query heads.
-        for (int64_t key = 0; key < reach; ++key) {
-          const float* k = kp + slot_of(key) * slot_stride + g * dim;
-          for (int64_t qh = 0; qh < heads; ++qh) {
-            scores[qh * padded + key] = score_in_place(qp + head_offset(qh), k, dim, scalef);
-          }
+  auto attend = [&](const auto* kp, const auto* vp) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>;
+    at::parallel_for(0, tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      const int64_t most = QUERY_TILE * group;  // query heads of a tile
+      std::vector<float> scores(static_cast<size_t>(most * padded));
+      std::vector<float> acc(static_cast<size_t>(most * dim));
+      std::vector<float> keys_t(static_cast<size_t>(dim * KEY_BLOCK));  // [D][KEY_BLOCK]
+      std::vector<int64_t> seen_of(static_cast<size_t>(most));
+      std::vector<int64_t> active(static_cast<size_t>(most));
+      std::vector<const T*> values(static_cast<size_t>(padded));  // a key's value row
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t tile = task / kv_heads, g = task % kv_heads;
+        const int64_t first = tile_start[tile], count = tile_start[tile + 1] - first;
+        const int64_t* blocks_of_row = table + row_of[first] * table_width;
+        auto slot_of = [&](int64_t key) {
+          return blocks_of_row[key / block_size] * block_size + key % block_size;
+        };
+        int64_t reach = 0;  // keys the tile's furthest query sees
+        for (int64_t i = 0; i < count; ++i) {
+          for (int64_t h = 0; h < group; ++h) seen_of[i * group + h] = std::max<int64_t>(pos[first + i] + 1, 0);
+          reach = std::max(reach, pos[first + i] + 1);
         }
-      } else {
-        // A tile: a block of keys at a time, transposed once for all its query heads.
-        for (int64_t base = 0; base < reach; base += KEY_BLOCK) {
-          const int64_t width = std::min(KEY_BLOCK, reach - base);
-          for (int64_t j = 0; j < KEY_BLOCK; ++j) {
-            if (j < width) {
-              const float* k = kp + slot_of(base + j) * slot_stride + g * dim;
-              for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = k[d];
-            } else {
-              for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = 0.0f;
+        const int64_t heads = count * group;
+        // Where query head qh of the tile (and its output) starts in q (and out).
+        auto head_offset = [&](int64_t qh) {
+          return ((first + qh / group) * q_heads + g * group + qh % group) * dim;
+        };
+        if (count == 1) {
+          // A lone query: each key row read in place for each of its query heads.
+          for (int64_t key = 0; key < reach; ++key) {
+            const T* k = kp + slot_of(key) * slot_stride + g * dim;
+            for (int64_t qh = 0; qh < heads; ++qh) {
+              scores[qh * padded + key] = score_in_place(qp + head_offset(qh), k, dim, scalef);
             }
           }
-          // The query heads that see this block, four at a time, then one at a time.
-          int64_t live = 0;
-          for (int64_t qh = 0; qh < heads; ++qh) {
-            if (seen_of[qh] > base) active[live++] = qh;
-          }
-          int64_t j = 0;
-          for (; j + 4 <= live; j += 4) {
-            score_block<4>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
-                           scores.data() + base, padded);
-          }
-          for (; j < live; ++j) {
-            score_block<1>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
-                           scores.data() + base, padded);
+        } else {
+          // A tile: a block of keys at a time, transposed once for all its query heads.
+          for (int64_t base = 0; base < reach; base += KEY_BLOCK) {
+            const int64_t width = std::min(KEY_BLOCK, reach - base);
+            for (int64_t j = 0; j < KEY_BLOCK; ++j) {
+              if (j < width) {
+                const T* k = kp + slot_of(base + j) * slot_stride + g * dim;
+                transpose_key(k, dim, j, keys_t.data());
+              } else {
+                for (int64_t d = 0; d < dim; ++d) keys_t[d * KEY_BLOCK + j] = 0.0f;
+              }
+            }
+            // The query heads that see this block, four at a time, then one at a time.
+            int64_t live = 0;
+            for (int64_t qh = 0; qh < heads; ++qh) {
+              if (seen_of[qh] > base) active[live++] = qh;
+            }
+            int64_t j = 0;
+            for (; j + 4 <= live; j += 4) {
+              score_block<4>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
+                             scores.data() + base, padded);
+            }
+            for (; j < live; ++j) {
+              score_block<1>(qp, active.data() + j, head_offset, keys_t.data(), dim, scalef,
+                             scores.data() + base, padded);
+            }
           }
         }
+        // Softmax of each query head over its own keys (normalized at the end).
+        for (int64_t qh = 0; qh < heads; ++qh) {
+          const int64_t seen = seen_of[qh];
+          if (seen == 0) continue;
+          float* s = scores.data() + qh * padded;
+          float top = -std::numeric_limits<float>::infinity();
+          for (int64_t key = 0; key < seen; ++key) top = std::max(top, s[key]);
+          for (int64_t key = 0; key < seen; ++key) s[key] = fast_exp(s[key] - top);
+        }
+        // Values: each query head's sum over its keys in order, in registers (the tile's
+        // values stay in cache between its query heads).
+        for (int64_t key = 0; key < reach; ++key) {
+          values[key] = vp + slot_of(key) * slot_stride + g * dim;
+        }
+        for (int64_t qh = 0; qh < heads; ++qh) {
+          weighted_values(scores.data() + qh * padded, seen_of[qh], values.data(), dim,
+                          acc.data() + qh * dim);
+        }
+        for (int64_t qh = 0; qh < heads; ++qh) {
+          const int64_t seen = seen_of[qh];
+          if (seen == 0) continue;
+          const float inv = 1.0f / sum(scores.data() + qh * padded, seen);
+          float* o = op + head_offset(qh);
+          const float* a = acc.data() + qh * dim;
+          for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * inv;
+        }
       }
-      // Softmax of each query head over its own keys (normalized at the end).
-      for (int64_t qh = 0; qh < heads; ++qh) {
-        const int64_t seen = seen_of[qh];
-        if (seen == 0) continue;
-        float* s = scores.data() + qh * padded;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t key = 0; key < seen; ++key) top = std::max(top, s[key]);
-        for (int64_t key = 0; key < seen; ++key) s[key] = fast_exp(s[key] - top);
-      }
-      // Values: each query head's sum over its keys in order, in registers (the tile's
-      // values stay in cache between its query heads).
-      for (int64_t key = 0; key < reach; ++key) {
-        values[key] = vp + slot_of(key) * slot_stride + g * dim;
-      }
-      for (int64_t qh = 0; qh < heads; ++qh) {
-        weighted_values(scores.data() + qh * padded, seen_of[qh], values.data(), dim,
-                        acc.data() + qh * dim);
-      }
-      for (int64_t qh = 0; qh < heads; ++qh) {
-        const int64_t seen = seen_of[qh];
-        if (seen == 0) continue;
-        const float inv = 1.0f / sum(scores.data() + qh * padded, seen);
-        float* o = op + head_offset(qh);
-        const float* a = acc.data() + qh * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * inv;
-      }
-    }
-  });
+    });
+  };
+  if (k_cache.scalar_type() == at::kHalf) {
+    attend(reinterpret_cast<const Half*>(k_cache.data_ptr<at::Half>()),
+           reinterpret_cast<const Half*>(v_cache.data_ptr<at::Half>()));
+  } else {
+    attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  }
   return out;
 }

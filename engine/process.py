@@ -27,7 +27,7 @@ from wsinfer.engine.cpu_threads import ThreadShare
 from wsinfer.engine.defaults import default_dtype, resolve_device
 from wsinfer.engine.fake import FakeLoaded, fake_engine
 from wsinfer.engine.fake_spec import is_fake
-from wsinfer.engine.lifecycle import Core
+from wsinfer.engine.lifecycle import Core, UnsupportedConfig
 from wsinfer.engine.logprobs import wire_entries
 from wsinfer.engine.metrics import EngineMetrics
 from wsinfer.engine.model import LoadedModel, ModelLoadError, load_model
@@ -583,7 +583,10 @@ def run_engine(
     log.info("model loaded", model=loaded.name, seconds=round(time.monotonic() - started, 1))
     if isinstance(loaded, LoadedModel):
         started = time.monotonic()
-        core = build_core(loaded, core_config)
+        try:
+            core = build_core(loaded, core_config)
+        except UnsupportedConfig as exc:
+            raise StartupError(str(exc)) from None
         log.info(
             "engine core ready",
             core=type(core).__name__,

@@ -38,7 +38,7 @@ from .grammar import Grammars, apply_bitmask
 from .kvpool import KVPool
 from .llama import FastLlama
 from .logprobs import HostLogprobs, LogprobBuffers, host_copy, model_logprobs
-from .native import on_native_path, paged_attention
+from .native import native_attends, paged_attention
 from .sampler import sample_tokens
 from .sampling import (
     RowSampling,
@@ -67,8 +67,9 @@ def use_invariant_attention(pool: KVPool, softcap: float | None) -> bool:
 
 def use_native_attention(pool: KVPool, softcap: float | None) -> bool:
     """Attention through the C++ kernel (``engine/native.py``), where it is built: a
-    float32 CPU pool without soft-capped scores. Decode and prefill decide alike."""
-    return use_invariant_attention(pool, softcap) and on_native_path(pool.k)
+    float32 (or float16) CPU pool without soft-capped scores. Decode and prefill
+    decide alike."""
+    return use_invariant_attention(pool, softcap) and native_attends(pool.k)
 
 
 class DecodeContext:

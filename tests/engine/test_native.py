@@ -135,6 +135,70 @@ def test_a_tokens_attention_is_the_same_bits_in_any_company(dim: int) -> None:
     assert torch.equal(chunk[64 - 40], alone[(2, 64)])
 
 
+def test_a_float16_cache_stores_the_rounded_values_a_float32_cache_holds() -> None:
+    g = _gen(6)
+    q_heads, kv_heads, dim, n = 9, 3, 64, 5
+    qkv = torch.randn(n, (q_heads + 2 * kv_heads) * dim, generator=g) * 3
+    qkv[0, -1] = 70000.0  # past float16's range: stored as inf, as torch rounds it
+    cos, sin = torch.randn(50, dim, generator=g), torch.randn(50, dim, generator=g)
+    positions, slots = torch.tensor([0, 7, 49, 3, 9]), torch.tensor([5, 0, 17, -1, 23])
+    caches = {}
+    for dtype in (torch.float32, torch.float16):
+        k, v = (
+            torch.zeros(3, 8, kv_heads, dim, dtype=dtype),
+            torch.zeros(3, 8, kv_heads, dim, dtype=dtype),
+        )
+        caches[dtype] = (module.rope_cache(qkv, positions, cos, sin, slots, k, v, q_heads), k, v)
+    (q32, k32, v32), (q16, k16, v16) = caches[torch.float32], caches[torch.float16]
+    assert torch.equal(q16, q32)  # q stays float32
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())  # round to nearest even
+    assert v16.view(-1, kv_heads, dim)[5, -1, -1].isinf()
+
+
+@pytest.mark.parametrize("dim", [64, 40, 8])
+def test_float16_caches_attend_as_float32_caches_holding_the_same_values(dim: int) -> None:
+    """Widening is exact, so the bits are those of a float32 cache of the rounded
+    values: alone, batched, in a prefill's tiles (the takeover promise holds)."""
+    q_heads, kv_heads, bs = 9, 3, 16
+    k, v = _pool(40, bs, kv_heads, dim, seed=7)
+    k16, v16 = k.half(), v.half()
+    k32, v32 = k16.float(), v16.float()
+    tables = torch.arange(1, 41).view(4, 10).remainder(40)
+    q = torch.randn(4, 160, q_heads, dim, generator=_gen(8))
+
+    def run(caches: tuple[torch.Tensor, torch.Tensor], rows: list[int], positions: list[int]):
+        queries = torch.stack([q[r, p] for r, p in zip(rows, positions, strict=True)])
+        return module.paged_attention(
+            queries, *caches, tables, torch.tensor(rows), torch.tensor(positions), 0.125
+        )
+
+    for rows, positions in [
+        ([1], [159]),
+        ([0, 1, 2, 3], [0, 159, 64, 17]),
+        ([1] * 160, list(range(160))),
+    ]:
+        assert torch.equal(run((k16, v16), rows, positions), run((k32, v32), rows, positions))
+
+
+def test_a_float16_key_cache_needs_a_float16_value_cache() -> None:
+    k, v = _pool(4, 16, 2, 32)
+    q = torch.randn(1, 4, 32, generator=_gen())
+    with pytest.raises(RuntimeError, match="caches do not match"):
+        module.paged_attention(
+            q, k.half(), v, torch.tensor([[1, 2]]), torch.tensor([0]), torch.tensor([5]), 0.2
+        )
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        module.paged_attention(
+            q,
+            k.double(),
+            v.double(),
+            torch.tensor([[1, 2]]),
+            torch.tensor([0]),
+            torch.tensor([5]),
+            0.2,
+        )
+
+
 def test_rows_are_the_same_bits_in_any_batch() -> None:
     g = _gen(5)
     x, res = torch.randn(8, 576, generator=g), torch.randn(8, 576, generator=g)

@@ -201,3 +201,21 @@ def test_every_variant_builds_and_those_this_cpu_runs_compute_what_its_own_does(
                     assert torch.equal(theirs, mine), (variant.name, cols)
                 else:
                     torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
+    # A float16 KV cache: stored and widened by each variant's own instructions
+    # (AVX-512's 16-wide, F16C's 8-wide, portable C++), attended as ours does.
+    g = torch.Generator().manual_seed(9)
+    qkv, cos, sin = torch.randn(40, 15 * 64, generator=g), torch.randn(64, 64), torch.randn(64, 64)
+    positions, slots = torch.arange(40), torch.arange(40) + 3
+    table, rows = torch.tensor([[0, 1, 2]]), torch.zeros(40, dtype=torch.long)
+    outputs = {}
+    for variant, build in [(ours, module), *builds.items()]:
+        k, v = (torch.zeros(3, 16, 3, 64, dtype=torch.float16) for _ in range(2))
+        q = build.rope_cache(qkv, positions, cos, sin, slots, k, v, 9)
+        outputs[variant] = (k, v, build.paged_attention(q, k, v, table, rows, positions + 3, 0.125))
+    for variant, got in outputs.items():
+        assert torch.equal(got[1], outputs[ours][1]), variant.name  # v: a copy, rounded
+        for theirs, mine in zip(got, outputs[ours], strict=True):
+            if "fma" in variant.requires and "fma" in ours.requires:
+                assert torch.equal(theirs, mine), variant.name
+            else:  # the rotary's products rounded apart: a key may round to its neighbour
+                torch.testing.assert_close(theirs.float(), mine.float(), rtol=2e-3, atol=1e-3)

@@ -17,6 +17,7 @@ from tests.engine.conftest import run_all, text_of, tokens_of
 from tests.engine.test_core import GREEDY, PROMPTS, prompt, reference_greedy, request
 from wsinfer.engine.core import EngineConfig, EngineCore, RequestOutput, build_core
 from wsinfer.engine.eager import EagerEngineCore
+from wsinfer.engine.lifecycle import UnsupportedConfig
 from wsinfer.engine.model import LoadedModel
 from wsinfer.engine.prompts import render_chat
 from wsinfer.sessions.schema import GenerationParams
@@ -286,3 +287,43 @@ def test_min_tokens_holds_the_end_of_sequence_back_for_its_row_only(
     tokens = tokens_of(outs["held"])
     assert tokens[:at] == expected[:at] and tokens[at] != eos
     assert eos not in tokens[: at + 3] and len(tokens) >= at + 3
+
+
+def test_a_float16_kv_pool_keeps_sampling_batch_and_pause_invariant(tiny: LoadedModel) -> None:
+    """Half the KV bytes; the promises of the float32 pool unchanged: a seeded turn
+    draws the same tokens alone, in a crowd, and across a pause that keeps its KV."""
+    half = EngineConfig(kv_dtype="float16")
+    ids = prompt(tiny.tokenizer, "Once upon a time there was")
+    alone = EngineCore(tiny, half)
+    assert alone.pool.k.dtype == torch.float16
+    assert alone.pool.block_bytes * 2 == EngineCore(tiny).pool.block_bytes
+    alone.add(request("a", ids, SAMPLED))
+    expected = tokens_of(run_all(alone)["a"])
+    crowd = EngineCore(tiny, dataclasses.replace(half, max_batch_size=8))
+    for i in range(5):
+        params = GenerationParams(max_new_tokens=9 + i, temperature=0.5 * (i % 2), seed=i)
+        crowd.add(request(f"n{i}", prompt(tiny.tokenizer, PROMPTS[i]), params))
+    crowd.add(request("a", ids, SAMPLED))
+    assert tokens_of(run_all(crowd)["a"]) == expected
+    paused = EngineCore(tiny, half)
+    paused.add(request("a", ids, SAMPLED, cache_key="k"))
+    first: list[RequestOutput] = []
+    while len(first) < 5:
+        first += paused.step()
+    paused.abort("a", pause=True)
+    paused.step()
+    paused.add(request("a", ids, SAMPLED, generated_ids=tokens_of(first), cache_key="k"))
+    rest = run_all(paused)["a"]
+    assert rest[-1].usage is not None and rest[-1].usage.cached_tokens > len(ids)
+    assert tokens_of(first) + tokens_of(rest) == expected
+
+
+def test_a_float16_kv_pool_without_the_native_attention_is_refused(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wsinfer.engine import native
+
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    with pytest.raises(UnsupportedConfig, match="--kv-dtype float16: only the CPU engine's"):
+        EngineCore(tiny, EngineConfig(kv_dtype="float16"))
+    assert EngineCore(tiny, EngineConfig(kv_dtype="float32")).pool.k.dtype == torch.float32

@@ -7,10 +7,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from tests.models import tiny_model_dir
 from wsinfer.contract import ErrorCode
-from wsinfer.engine.lifecycle import RequestOutput
-from wsinfer.engine.process import _final_event
+from wsinfer.engine.lifecycle import EngineConfig, RequestOutput
+from wsinfer.engine.process import _final_event, run_engine
 from wsinfer.engine.requests import SequenceStatus
+from wsinfer.preflight import StartupError
 from wsinfer.sessions.schema import DeltaEvent, DoneEvent, TurnError, Usage, decode_event, encode
 
 
@@ -56,3 +60,13 @@ def test_a_deltas_logprobs_cross_redis_and_a_delta_without_them_has_no_key() -> 
     plain = DeltaEvent(4, ".", [8])
     assert decode_event(encode(plain)) == plain
     assert b"logprobs" not in encode(plain)["m"]
+
+
+def test_a_kv_dtype_the_model_cannot_use_stops_the_start_in_one_line(redis_url: str) -> None:
+    """After the model loads (only then is its dtype known): a StartupError, which the
+    command prints as one line, not a traceback."""
+    with pytest.raises(StartupError, match="--kv-dtype float16: only the CPU engine's native"):
+        run_engine(
+            redis_url, str(tiny_model_dir()), dtype="bfloat16",
+            core_config=EngineConfig(kv_dtype="float16"),
+        )  # fmt: skip

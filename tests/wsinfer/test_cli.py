@@ -245,6 +245,16 @@ def test_prefix_caching_is_the_default_and_opting_out_reaches_serves_engine(
     assert engine_configs(engine_args())[1].prefix_caching is False
 
 
+def test_the_kv_dtype_reaches_serves_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert engine_configs(engine_args())[1].kv_dtype == "auto"
+    serve = build_parser().parse_args(["serve", "--kv-dtype", "float16"])
+    assert engine_configs(engine_args(*_engine_argv(serve)))[1].kv_dtype == "float16"
+    monkeypatch.setenv("WSINFER_KV_DTYPE", "float32")
+    assert engine_configs(engine_args())[1].kv_dtype == "float32"
+    with pytest.raises(SystemExit):
+        engine_args("--kv-dtype", "int8")
+
+
 def test_dash_capital_v_is_the_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["-V"])
