@@ -54,11 +54,24 @@ QUESTIONS = [
 # --- workloads -----------------------------------------------------------------
 
 
-def chat_prompts(loaded: LoadedModel, n: int) -> list[list[int]]:
+def chat_prompts(loaded: LoadedModel, n: int, tokens: int = 0) -> list[list[int]]:
+    """``n`` chat prompts: the short questions, or (``tokens``) each a question after
+    filler of about that many tokens, its first line its own (no shared prefix)."""
+    if not tokens:
+        return [
+            render_chat(
+                loaded.tokenizer, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+            )
+            for i in range(n)
+        ]
+    filler = " ".join(f"Note {k}: the ledger lists a ship and its cargo." for k in range(tokens))
+    ids = loaded.tokenizer.encode(filler, add_special_tokens=False)[:tokens]
+    body = loaded.tokenizer.decode(ids)
     return [
-        render_chat(loaded.tokenizer, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+        render_chat(loaded.tokenizer, [{"role": "user", "content": f"Copy {i}.\n{body}\n"
+                                        f"{QUESTIONS[i % len(QUESTIONS)]}"}])
         for i in range(n)
-    ]
+    ]  # fmt: skip
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -86,6 +99,27 @@ def run_engine(core: EngineCore, prompts: list[list[int]], params: GenerationPar
     while core.has_unfinished():
         tokens += sum(len(out.new_token_ids) for out in core.step())
     return tokens
+
+
+def decode_rate(core: EngineCore, prompts: list[list[int]], params: GenerationParams) -> float:
+    """tok/s of the decode steps alone: the tokens drawn once every prompt has its
+    first token (its prefill done) over the time from then to the end."""
+    names = [f"bench-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
+    for name, ids in zip(names, prompts, strict=True):
+        core.add(EngineRequest(name, ids, params))
+    started: set[str] = set()
+    since, tokens = 0.0, 0
+    while core.has_unfinished():
+        for out in core.step():
+            if since:
+                tokens += len(out.new_token_ids)
+            elif out.new_token_ids:
+                started.add(out.request_id)
+        if not since and len(started) == len(names):
+            sync()
+            since = time.perf_counter()
+    sync()
+    return tokens / (time.perf_counter() - since) if since and tokens else 0.0
 
 
 def run_generate(
@@ -159,6 +193,8 @@ def throughput_table(
     previous: LoadedModel | None = None,
     config: EngineConfig | None = None,
     previous_config: EngineConfig | None = None,
+    prompt_tokens: int = 0,
+    with_generate: bool = True,
 ) -> list[str]:
     """EngineCore on ``loaded`` vs transformers on ``baseline`` (a separate copy of the model).
 
@@ -194,13 +230,23 @@ def throughput_table(
     if bandwidth:
         print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
     for n in batches:
-        prompts = chat_prompts(loaded, n)
+        prompts = chat_prompts(loaded, n, prompt_tokens)
         total = n * new_tokens
-        rates = [
-            best_rate(total, partial(run_engine, e, prompts, params), repeats) for e in engines
-        ]
+        if prompt_tokens:  # long prompts: the decode steps' rate, after every prefill
+            rates = [
+                max(decode_rate(e, prompts, params) for _ in range(max(1, repeats)))
+                for e in engines
+            ]
+        else:
+            rates = [
+                best_rate(total, partial(run_engine, e, prompts, params), repeats) for e in engines
+            ]
         ours = rates[0]
-        static = best_rate(total, partial(run_generate, baseline, prompts, new_tokens), repeats)
+        static_cell, static_ratio = "n/a", "n/a"
+        if with_generate:
+            run = partial(run_generate, baseline, prompts, new_tokens)
+            static = best_rate(total, run, repeats)
+            static_cell, static_ratio = f"{static:.1f}", f"{ours / static:.2f}x"
         single = single or ours
         previous_cell, previous_ratio = "n/a", "n/a"
         if len(rates) > 1:
@@ -215,8 +261,8 @@ def throughput_table(
             limit = n * bandwidth / step_bytes(engines[0], n, context)
             fraction = f"{ours / limit:.2f} (of {limit:.0f})"
         rows.append(
-            f"| {n} | {ours:.1f} | {previous_cell} | {previous_ratio} | {static:.1f} "
-            f"| {ours / static:.2f}x "
+            f"| {n} | {ours:.1f} | {previous_cell} | {previous_ratio} | {static_cell} "
+            f"| {static_ratio} "
             f"| {cb_cell} | {cb_ratio} | {ours / single:.2f}x | {fraction} |"
         )
         print(rows[-1], file=sys.stderr, flush=True)
@@ -592,10 +638,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cb", action="store_true", help="skip transformers' own CB")
     parser.add_argument(
         "--previous",
-        choices=["eager", "float32", "none"],
+        choices=["eager", "float32", "kv-float32", "none"],
         default="eager",
         help="section a's previous core: the eager core, EngineCore with float32 CPU weights "
-        "(against --quantized), or none",
+        "(against --quantized), EngineCore with a float32 KV pool (against --kv-dtype), "
+        "or none",
+    )
+    parser.add_argument("--kv-dtype", default="auto", help="section a's EngineCore KV pool")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=0, help="section a: each prompt about this long"
+    )
+    parser.add_argument(
+        "--no-generate", action="store_true", help="section a: skip transformers' generate"
     )
     parser.add_argument("--no-previous", action="store_true", help="--previous none")
     parser.add_argument(
@@ -624,11 +678,19 @@ def main(argv: list[str] | None = None) -> None:
         copy = partial(load_model, args.model, device=args.device, dtype=args.dtype)
         kind = "none" if args.no_previous else args.previous
         previous = None if kind == "none" else copy()
-        config = EngineConfig(max(batches), quantized_cpu_weights=args.quantized)
-        previous_config = EngineConfig(max(batches)) if kind == "float32" else None
+        config = EngineConfig(
+            max(batches), quantized_cpu_weights=args.quantized, kv_dtype=args.kv_dtype
+        )
+        previous_config = {
+            "float32": EngineConfig(max(batches)),
+            "kv-float32": dataclasses.replace(config, kv_dtype="float32"),
+        }.get(kind)
+        decode_only = "; decode steps only (after every prefill)" if args.prompt_tokens else ""
+        print(f"prompts: {args.prompt_tokens or 'short'} tokens, KV pool {args.kv_dtype}, "
+              f"previous core: {kind}{decode_only}\n")  # fmt: skip
         table = throughput_table(
             loaded, baseline, batches, args.new_tokens, not args.no_cb, args.repeats,
-            previous, config, previous_config,
+            previous, config, previous_config, args.prompt_tokens, not args.no_generate,
         )  # fmt: skip
         print("\n".join(table) + "\n")
         del baseline, previous
