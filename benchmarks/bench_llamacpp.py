@@ -11,7 +11,9 @@ all llama.cpp). Without ``--llamacpp-bin`` it is built first from the source the
 minutes on 2 cores; a finished build is reused). Both servers run side by side on
 the same threads budget; the same OpenAI-SDK client sends N concurrent streaming
 chat completions (temperature 0.8, ``max_tokens`` tokens, usage included) to each
-in turn, round after round, so load on a shared machine hits both alike.
+in turn, round after round, so load on a shared machine hits both alike. Rounds
+start once wsinfer serve has settled (its standby engine loaded: until then it
+would take the cores from llama-server's rounds).
 
 Per server and N: tokens/s (all streams' completion tokens over the wall time of
 the round; the best round counts) and time to first text (median over the rounds'
@@ -35,6 +37,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -46,7 +49,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the shared process helpers of the test suite
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.stack import served  # noqa: E402
+from tests.stack import start_serve, stop_serve  # noqa: E402
+from wsinfer.cpu_time import process_cpu_seconds  # noqa: E402
 
 FILLER = (
     "The harbour town kept its records in a long ledger. Each entry named a ship, "
@@ -177,8 +181,45 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) 
 @contextmanager
 def wsinfer_serve(model: str | None, threads: int, extra: list[str]) -> Iterator[str]:
     args = ["--threads", str(threads), *extra, *(["--model", model] if model else [])]
-    with served(*args) as port:
-        yield f"http://127.0.0.1:{port}/v1"
+    with tempfile.TemporaryDirectory(prefix="wsinfer-bench-") as state:
+        process, port = start_serve(Path(state), *args)
+        try:
+            settle(process.pid)
+            yield f"http://127.0.0.1:{port}/v1"
+        finally:
+            stop_serve(process)
+
+
+def settle(pid: int, quiet_s: float = 2.0, timeout_s: float = 180.0) -> None:
+    """Until the processes under ``pid`` use under 5% of a core for ``quiet_s``: once
+    its engine serves, ``wsinfer serve`` loads a standby engine (about 10 s of CPU),
+    which would otherwise take the cores from whichever server runs a round then."""
+    deadline = time.monotonic() + timeout_s
+    before = tree_cpu_seconds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = tree_cpu_seconds(pid)
+        if now - before < 0.05 * quiet_s:
+            return
+        before = now
+    print(f"wsinfer serve still busy after {timeout_s:.0f} s", file=sys.stderr)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and every process under it, from /proc."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_bytes().rsplit(b")", 1)[-1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sum(process_cpu_seconds(p) or 0.0 for p in tree)
 
 
 # --- the client ------------------------------------------------------------------------
