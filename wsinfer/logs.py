@@ -5,6 +5,13 @@ structlog's own events, the standard library's ``logging`` (websockets,
 asyncio, redis), ``warnings``, transformers' messages (``route_library_logs``)
 and an uncaught exception's traceback all go through the same renderer.
 Progress bars are shown only on a terminal.
+
+A log line never fails the work that writes it. An engine outlives a ``wsinfer
+serve`` stopped with Ctrl-C, to finish the turns it runs, and the reader of its
+stderr may be gone by then (a closed terminal, ``| tee`` stopped by the same
+Ctrl-C): a line written then raised BrokenPipeError inside the engine's step,
+and the turns it was running failed. Past the first failed write the lines go
+nowhere: there is no one left to read them.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import os
 import sys
 from datetime import datetime, timezone
 from types import TracebackType
-from typing import Any
+from typing import Any, TextIO, cast
 
 import structlog
 
@@ -37,8 +44,43 @@ def _renderer(log_format: str) -> Any:
     return structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
 
 
+class SafeStream:
+    """A text stream whose writes never raise: once one fails (its reader gone, the
+    file closed), the rest are dropped."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self.stream.write(text)
+            except (OSError, ValueError):  # EPIPE, EIO; ValueError: closed
+                self.gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.gone = True
+
+    def isatty(self) -> bool:
+        try:
+            return not self.gone and self.stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def __getattr__(self, name: str) -> Any:  # fileno, encoding, ...: the stream's
+        return getattr(self.stream, name)
+
+
 def configure_logging(log_format: str = "console", level: str = "info") -> None:
     """JSON lines for machines, aligned key=value for people; both on stderr."""
+    if not isinstance(sys.stderr, SafeStream):  # Python's own writes too (warnings)
+        sys.stderr = cast(TextIO, SafeStream(sys.stderr))
     numeric = logging.getLevelNamesMapping()[parse_level(level).upper()]
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
@@ -49,7 +91,7 @@ def configure_logging(log_format: str = "console", level: str = "info") -> None:
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, sys.stderr)),
         cache_logger_on_first_use=False,
     )
     _route_stdlib(log_format, shared, renderer, numeric)

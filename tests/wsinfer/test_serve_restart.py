@@ -288,3 +288,27 @@ async def until_async(condition: Callable[[], bool], timeout_s: float = 120) -> 
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.2)
+
+
+async def test_turns_outlive_a_serve_whose_log_reader_went_with_it(tmp_path: Path) -> None:
+    """`wsinfer serve 2>&1 | tee log`, Ctrl-C: tee stops too, and the engine that
+    goes on with the running turns writes its next line (here: pausing an idle
+    turn) into a pipe nobody reads. That line raised BrokenPipeError inside the
+    engine's step and the turn failed; now the turn pauses, and resumes whole."""
+    [port] = free_ports(1)
+    process, _ = start_serve(
+        tmp_path, *("--model", f"fake:{RATE}", "--idle-pause", "1", "--log-level", "info"),
+        port=port, start_new_session=True, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    session, token = await start_turn(port, 0)  # unwatched from here on
+    assert process.stderr is not None
+    process.stderr.close()  # the reader goes (tee, a terminal)
+    stop_server(process, "sigint")
+    await asyncio.sleep(2.5)  # past --idle-pause: the engine has logged its pause
+    process = serve(tmp_path, port)
+    try:
+        answer = await status(port, session, token)
+        assert answer["status"] in ("paused", "running", "done"), answer
+        assert await resume_to_end(port, session, token, 0) == expected()
+    finally:
+        stop_serve(process)
