@@ -22,12 +22,11 @@ async def wait_set(event: asyncio.Event, timeout: float) -> bool:
     """Wait up to ``timeout`` seconds for ``event``; True if it is set."""
     if event.is_set():
         return True
-    waiter = asyncio.ensure_future(event.wait())
     try:
-        done, _ = await asyncio.wait((waiter,), timeout=max(0.0, timeout))
-    finally:
-        waiter.cancel()
-    return bool(done)
+        await within(event.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
 
 
 async def within(awaitable: Awaitable[T], timeout: float) -> T:
