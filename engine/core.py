@@ -115,12 +115,9 @@ class EngineCore(ScheduledCore):
         wanted, model = self.config.kv_dtype, self.model
         if wanted == "auto" or getattr(torch, wanted) == model.dtype:
             return model.dtype
-        native_attends = (
-            self.device.type == "cpu"
-            and model.dtype == torch.float32
-            and model.attn_softcap is None
-            and native.kernels() is not None
-        )
+        # A float32 CPU model whose forward runs the C++ kernels, but for soft-capped
+        # scores (runner.use_native_attention's rule, before there is a pool to ask).
+        native_attends = model.attn_softcap is None and native.on_native_path(model.embed)
         if wanted == "float16" and native_attends:
             return torch.float16
         raise UnsupportedConfig(
@@ -131,7 +128,7 @@ class EngineCore(ScheduledCore):
     def _allocate_pool(self) -> KVPool:
         cfg, model = self.config, self.model
         dtype = self._kv_dtype()
-        per_token = model.kv_bytes_per_token() * dtype.itemsize // model.dtype.itemsize
+        per_token = model.kv_bytes_per_token(dtype)
         budget = cfg.kv_pool_bytes
         if budget is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -323,8 +323,9 @@ class FastLlama:
             logits = soft_cap(logits, self.logit_softcap)
         return logits
 
-    def kv_bytes_per_token(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """K and V of one token in every layer, in ``dtype`` (default: the model's)."""
+        element = (dtype or self.dtype).itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
