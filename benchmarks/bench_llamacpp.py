@@ -49,7 +49,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the shared process helpers of the test suite
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.stack import start_serve, stop_serve  # noqa: E402
+from tests.stack import descendants, start_serve, stop_serve  # noqa: E402
 from wsinfer.cpu_time import process_cpu_seconds  # noqa: E402
 
 FILLER = (
@@ -207,19 +207,7 @@ def settle(pid: int, quiet_s: float = 2.0, timeout_s: float = 180.0) -> None:
 
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of ``pid`` and every process under it, from /proc."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_bytes().rsplit(b")", 1)[-1].split()
-            parents[int(stat.parent.name)] = int(fields[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    tree, grew = {pid}, True
-    while grew:
-        more = {child for child, parent in parents.items() if parent in tree} - tree
-        tree |= more
-        grew = bool(more)
-    return sum(process_cpu_seconds(p) or 0.0 for p in tree)
+    return sum(process_cpu_seconds(p) or 0.0 for p in [pid, *descendants(pid)])
 
 
 # --- the client ------------------------------------------------------------------------

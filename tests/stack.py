@@ -196,6 +196,26 @@ def served(*args: str) -> Iterator[int]:
             stop_serve(process)
 
 
+def children_of(pid: int) -> list[int]:
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        if int(fields.get("PPid", "0").strip()) == pid:
+            found.append(int(status.parent.name))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Children, their children, and so on: a process tree as it stands now."""
+    found = []
+    for child in children_of(pid):
+        found += [child, *descendants(child)]
+    return found
+
+
 def port_from_banner(line: str | bytes, what: str) -> int:
     """The port in the ``ws://HOST:PORT/v1/ws`` line wsinfer prints once it listens."""
     text = line.decode() if isinstance(line, bytes) else line

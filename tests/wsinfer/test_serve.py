@@ -13,27 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.models import default_model_available, tiny_model_dir
-from tests.stack import Client, joined, start_serve, stop_serve
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines())
-        except (OSError, ValueError):
-            continue
-        if int(fields.get("PPid", "0").strip()) == pid:
-            found.append(int(status.parent.name))
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    """Children, their children, and so on: a process tree as it stands now."""
-    found = []
-    for child in children_of(pid):
-        found += [child, *descendants(child)]
-    return found
+from tests.stack import Client, children_of, joined, start_serve, stop_serve
 
 
 def alive(pid: int) -> bool:

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.models import tiny_model_dir
-from tests.stack import Client, start_serve
-from tests.wsinfer.test_serve import children_of
+from tests.stack import Client, children_of, start_serve
 
 
 def redis_child(serve_pid: int) -> int | None:

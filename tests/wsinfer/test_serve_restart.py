@@ -32,8 +32,8 @@ import redis
 
 from tests.followers import FOLLOW, Direct, Follower
 from tests.ports import free_ports
-from tests.stack import Client, joined, start_serve, stop_serve
-from tests.wsinfer.test_serve import alive, children_of, descendants, wait_gone
+from tests.stack import Client, children_of, descendants, joined, start_serve, stop_serve
+from tests.wsinfer.test_serve import alive, wait_gone
 from wsinfer.engine.fake import WORDS
 from wsinfer.sessions import keys
 

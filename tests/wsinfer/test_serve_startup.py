@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.models import tiny_model_dir
-from tests.stack import start_serve, stop_serve
-from tests.wsinfer.test_serve import alive, descendants
+from tests.stack import descendants, start_serve, stop_serve
+from tests.wsinfer.test_serve import alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
