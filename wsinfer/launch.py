@@ -19,6 +19,9 @@ def main() -> int:
     previous = signal.getsignal(signal.SIGINT)
     if previous is signal.default_int_handler:  # not where the parent ignores it
         signal.signal(signal.SIGINT, _interrupted_while_importing)
+    # serve starts its engines with SIGINT blocked (supervisor._prepare_engine): one
+    # sent before now comes here, to the handler.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     from wsinfer.cli import main as run
 
     signal.signal(signal.SIGINT, previous)

@@ -197,10 +197,18 @@ class EngineChild:
         return self.process.poll() is None
 
 
+def _prepare_engine() -> None:
+    """An engine's preexec: the SIGINT that stops it waits until it is caught
+    (``wsinfer/launch.py`` takes it at its first line). Sent while the interpreter
+    itself still starts, it raised KeyboardInterrupt there, with a traceback."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
 def _prepare_standby() -> None:
     """A standby's preexec: SIGUSR1 (``engine/standby.py``) waits until it is caught,
     and its parent's death kills it even while it is held (SIGSTOP, ``StandbyPacing``):
     a stopped process leaves SIGTERM pending. Activated, it takes SIGTERM back."""
+    _prepare_engine()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     set_parent_death_signal(signal.SIGKILL)
 
@@ -248,7 +256,7 @@ class EngineSupervisor:
         engine_id = f"serve-{uuid.uuid4().hex[:8]}"
         command = [sys.executable, "-c", ENGINE_ENTRY, "engine", *self.argv]
         command += ["--engine-id", engine_id, *(["--standby"] if standby else [])]
-        preexec = _prepare_standby if standby else None
+        preexec = _prepare_standby if standby else _prepare_engine
         return EngineChild(engine_id, _spawn(command, preexec=preexec))
 
     async def check(self) -> bool:
