@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,19 +23,34 @@ async def test_it_says_whether_the_event_was_set_in_time() -> None:
 async def test_a_cancel_that_lands_as_the_event_is_set_is_never_lost() -> None:
     """The window asyncio.wait_for (3.10, 3.11) drops a cancel in: the event is set,
     its waiter has finished, and the waiting task has not run yet."""
-    lost = 0
-    for _ in range(500):
+
+    def start() -> tuple[Coroutine[Any, Any, None], Callable[[], None]]:
         event = asyncio.Event()
 
-        async def follow(event: asyncio.Event) -> None:
+        async def follow() -> None:
             while True:  # like a response loop that waits for its next delta
                 await wait_set(event, 5)
                 event.clear()
 
-        task = asyncio.ensure_future(follow(event))
-        for _ in range(2):
+        return follow(), event.set
+
+    assert await lost_cancels(start, settle_steps=2) == 0
+
+
+async def lost_cancels(
+    start: Callable[[], tuple[Coroutine[Any, Any, None], Callable[[], None]]],
+    settle_steps: int,
+    rounds: int = 500,
+) -> int:
+    """How many of ``rounds`` cancels are lost that land in the step after a waiting
+    loop's awaited result comes: ``start`` gives the loop and what wakes it."""
+    lost = 0
+    for _ in range(rounds):
+        follow, wake = start()
+        task = asyncio.ensure_future(follow)
+        for _ in range(settle_steps):  # until the loop waits
             await asyncio.sleep(0)
-        event.set()
+        wake()
         await asyncio.sleep(0)  # the inner waiter finishes in this step
         task.cancel()
         await asyncio.sleep(0.001)
@@ -41,7 +58,7 @@ async def test_a_cancel_that_lands_as_the_event_is_set_is_never_lost() -> None:
             lost += 1
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    assert lost == 0
+    return lost
 
 
 async def test_a_cancel_while_waiting_leaves_no_waiter_behind() -> None:
@@ -71,26 +88,17 @@ async def test_within_gives_the_result_or_a_timeout_that_cancels_the_awaitable()
 async def test_within_never_loses_a_cancel_that_lands_as_an_item_arrives() -> None:
     """The window asyncio.wait_for (3.10, 3.11) drops a cancel in, for a queue: CI
     saw a stream of n choices go on after its client hung up."""
-    lost = 0
-    for _ in range(500):
+
+    def start() -> tuple[Coroutine[Any, Any, None], Callable[[], None]]:
         queue: asyncio.Queue[int] = asyncio.Queue()
 
-        async def follow(queue: asyncio.Queue[int]) -> None:
+        async def follow() -> None:
             while True:  # like the n-choices response loop
                 await within(queue.get(), 5)
 
-        task = asyncio.ensure_future(follow(queue))
-        for _ in range(3):
-            await asyncio.sleep(0)
-        queue.put_nowait(1)
-        await asyncio.sleep(0)  # the inner get finishes in this step
-        task.cancel()
-        await asyncio.sleep(0.001)
-        if not task.done():
-            lost += 1
-            task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    assert lost == 0
+        return follow(), lambda: queue.put_nowait(1)
+
+    assert await lost_cancels(start, settle_steps=3) == 0
 
 
 async def test_within_keeps_an_item_that_comes_as_the_time_runs_out() -> None:
