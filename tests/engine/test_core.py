@@ -41,6 +41,21 @@ def request(
     return EngineRequest(request_id=rid, prompt_ids=ids, params=params, **kw)
 
 
+def paused_and_resumed(
+    core: EngineCore, ids: list[int], params: GenerationParams, after: int = 5
+) -> tuple[list[RequestOutput], list[RequestOutput]]:
+    """Turn "a" paused (its KV kept under "k") once ``after`` outputs are out, then
+    resumed from its tokens: the outputs before the pause and after it."""
+    core.add(request("a", ids, params, cache_key="k"))
+    first: list[RequestOutput] = []
+    while len(first) < after:
+        first += core.step()
+    core.abort("a", pause=True)
+    core.step()
+    core.add(request("a", ids, params, generated_ids=tokens_of(first), cache_key="k"))
+    return first, run_all(core)["a"]
+
+
 PROMPTS = [
     "Hello",
     "The quick brown fox jumps over the lazy dog " * 3,
@@ -360,14 +375,8 @@ def test_repetition_penalty_and_filters_are_reproducible_across_pause(tiny: Load
     straight.add(request("a", ids, params))
     expected = tokens_of(run_all(straight)["a"])
     core = EngineCore(tiny, EngineConfig(kv_offload_cpu=True))
-    core.add(request("a", ids, params, cache_key="k"))
-    first: list[RequestOutput] = []
-    while len(first) < 5:
-        first += core.step()
-    core.abort("a", pause=True)
-    core.step()
-    core.add(request("a", ids, params, generated_ids=tokens_of(first), cache_key="k"))
-    assert tokens_of(first) + tokens_of(run_all(core)["a"]) == expected
+    first, rest = paused_and_resumed(core, ids, params)
+    assert tokens_of(first) + tokens_of(rest) == expected
 
 
 def test_pause_during_chunked_prefill_keeps_the_partial_cache(tiny: LoadedModel) -> None:

@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from tests.engine.conftest import run_all, text_of, tokens_of
-from tests.engine.test_core import GREEDY, PROMPTS, prompt, reference_greedy, request
+from tests.engine.test_core import (
+    GREEDY,
+    PROMPTS,
+    paused_and_resumed,
+    prompt,
+    reference_greedy,
+    request,
+)
 from wsinfer.engine.core import EngineConfig, EngineCore, RequestOutput, build_core
 from wsinfer.engine.eager import EagerEngineCore
 from wsinfer.engine.lifecycle import UnsupportedConfig
@@ -305,15 +312,7 @@ def test_a_float16_kv_pool_keeps_sampling_batch_and_pause_invariant(tiny: Loaded
         crowd.add(request(f"n{i}", prompt(tiny.tokenizer, PROMPTS[i]), params))
     crowd.add(request("a", ids, SAMPLED))
     assert tokens_of(run_all(crowd)["a"]) == expected
-    paused = EngineCore(tiny, half)
-    paused.add(request("a", ids, SAMPLED, cache_key="k"))
-    first: list[RequestOutput] = []
-    while len(first) < 5:
-        first += paused.step()
-    paused.abort("a", pause=True)
-    paused.step()
-    paused.add(request("a", ids, SAMPLED, generated_ids=tokens_of(first), cache_key="k"))
-    rest = run_all(paused)["a"]
+    first, rest = paused_and_resumed(EngineCore(tiny, half), ids, SAMPLED)
     assert rest[-1].usage is not None and rest[-1].usage.cached_tokens > len(ids)
     assert tokens_of(first) + tokens_of(rest) == expected
 
